@@ -1,0 +1,155 @@
+"""Capsules (immutable copies of the live state) and the budgeted store that holds them, plus the file format."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import struct
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .checksum import checksum
+from .errors import ErrorCode, FlashRTError
+
+_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_FILE_MAGIC = b"FLASHRT-CAPSULE\0"
+_FILE_VERSION = 1
+_HEADER = struct.Struct("<16sIQ")  # magic, version, header length
+
+
+def validate_capsule_id(capsule_id: str) -> str:
+    if not isinstance(capsule_id, str) or not _ID_PATTERN.fullmatch(capsule_id):
+        raise FlashRTError(ErrorCode.INVALID_CAPSULE_ID,
+                           f"capsule id {capsule_id!r} must match [A-Za-z0-9_.-]{{1,64}}")
+    return capsule_id
+
+
+@dataclasses.dataclass(frozen=True)
+class CapsuleInfo:
+    id: str
+    parent: str
+    label: str
+    position: int
+    nbytes: int
+    tier: str          # device | host
+    checksum: str
+    created: float     # unix time
+
+
+@dataclasses.dataclass(frozen=True)
+class Capsule:
+    info: CapsuleInfo
+    fingerprint: str
+    data: torch.Tensor  # uint8, the arena's live bytes in manifest order
+
+
+class CapsuleStore:
+    """Capsules by id, in creation order, within a byte budget. Failed calls change nothing."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._capsules: dict[str, Capsule] = {}
+        self._counter = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(c.info.nbytes for c in self._capsules.values())
+
+    def __contains__(self, capsule_id: str) -> bool:
+        return capsule_id in self._capsules
+
+    def get(self, capsule_id: str) -> Capsule:
+        validate_capsule_id(capsule_id)
+        try:
+            return self._capsules[capsule_id]
+        except KeyError:
+            raise FlashRTError(ErrorCode.UNKNOWN_CAPSULE, f"no capsule {capsule_id!r}") from None
+
+    def new_id(self, requested: str | None) -> str:
+        """Validate a requested id (or make one up) before any bytes are copied."""
+        if requested:
+            validate_capsule_id(requested)
+            if requested in self._capsules:
+                raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"capsule {requested!r} already exists")
+            return requested
+        while True:
+            self._counter += 1
+            candidate = f"c{self._counter:04d}"
+            if candidate not in self._capsules:
+                return candidate
+
+    def check_room(self, nbytes: int) -> None:
+        if self.used_bytes + nbytes > self.budget_bytes:
+            raise FlashRTError(
+                ErrorCode.BUDGET_EXCEEDED,
+                f"capsule of {nbytes} B does not fit: {self.used_bytes} of {self.budget_bytes} B in use")
+
+    def add(self, capsule: Capsule) -> None:
+        self.check_room(capsule.info.nbytes)
+        self._capsules[capsule.info.id] = capsule
+
+    def drop(self, capsule_id: str) -> int:
+        capsule = self.get(capsule_id)
+        del self._capsules[capsule_id]
+        return capsule.info.nbytes
+
+    def infos(self) -> list[CapsuleInfo]:
+        return [c.info for c in self._capsules.values()]
+
+    def ancestors(self, capsule_id: str) -> list[str]:
+        """capsule_id, its parent, grandparent, ... as far as they are still stored."""
+        chain = []
+        while capsule_id in self._capsules and capsule_id not in chain:
+            chain.append(capsule_id)
+            capsule_id = self._capsules[capsule_id].info.parent
+        return chain
+
+
+def write_capsule_file(capsule: Capsule, path: Path) -> None:
+    """Atomic: written to a temporary file in the same folder, then renamed over ``path``."""
+    path = Path(path)
+    header = json.dumps({"info": dataclasses.asdict(capsule.info), "fingerprint": capsule.fingerprint}).encode()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_HEADER.pack(_FILE_MAGIC, _FILE_VERSION, len(header)))
+            f.write(header)
+            f.write(capsule.data.cpu().numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_capsule_file(path: Path, device: torch.device) -> Capsule:
+    """Parse and verify a capsule file; any damage is reported as CHECKSUM_MISMATCH with what was wrong."""
+    def corrupt(why: str) -> FlashRTError:
+        return FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"{path}: corrupted capsule file ({why})")
+
+    path = Path(path)
+    if not path.is_file():
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule file {path} does not exist")
+    blob = path.read_bytes()
+    if len(blob) < _HEADER.size:
+        raise corrupt("shorter than its header")
+    magic, version, header_len = _HEADER.unpack_from(blob)
+    if magic != _FILE_MAGIC or version != _FILE_VERSION:
+        raise corrupt("not a flashrt capsule file, or an unknown version")
+    try:
+        header = json.loads(blob[_HEADER.size:_HEADER.size + header_len])
+        info = CapsuleInfo(**header["info"])
+        fingerprint = header["fingerprint"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise corrupt(f"unreadable header: {err}") from None
+    payload = blob[_HEADER.size + header_len:]
+    if len(payload) != info.nbytes:
+        raise corrupt(f"{len(payload)} payload bytes, header says {info.nbytes}")
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    if checksum(data) != info.checksum:
+        raise corrupt("checksum does not match its bytes")
+    return Capsule(dataclasses.replace(info, tier="device" if data.is_cuda else "host"), fingerprint, data)

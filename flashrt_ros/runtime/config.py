@@ -1,0 +1,159 @@
+"""Model configuration: the Qwen3.5 text architecture, read from an HF ``config.json`` or a named preset."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from .errors import ErrorCode, FlashRTError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    tie_word_embeddings: bool = False
+    mtp_num_hidden_layers: int = 0
+    max_position_embeddings: int = 262_144
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    def validate(self) -> "ModelConfig":
+        problems = []
+        if any(t not in LAYER_TYPES for t in self.layer_types):
+            problems.append(f"layer_types must be among {LAYER_TYPES}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            problems.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            problems.append("partial_rotary_factor * head_dim must be an even number in (0, head_dim]")
+        if self.mtp_num_hidden_layers > 1:
+            problems.append("at most one MTP layer is supported")
+        if problems:
+            raise FlashRTError(ErrorCode.LOAD_FAILED, "unsupported model config: " + "; ".join(problems))
+        return self
+
+
+def from_hf_dict(raw: dict) -> ModelConfig:
+    """Build a ModelConfig from an HF ``config.json`` dict (``qwen3_5_text`` or ``qwen3_5`` with ``text_config``)."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise FlashRTError(ErrorCode.LOAD_FAILED,
+                           f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    text = raw["text_config"] if model_type == "qwen3_5" else raw
+    tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    rope = dict(text.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", text.get("rope_theta", 10_000_000.0))
+    rope.setdefault("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    if rope.get("rope_type", "default") != "default":
+        raise FlashRTError(ErrorCode.LOAD_FAILED, f"unsupported rope_type {rope['rope_type']!r}")
+    num_layers = text["num_hidden_layers"]
+    layer_types = text.get("layer_types") or [
+        "full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0 else "linear_attention"
+        for i in range(num_layers)]
+    eos = text.get("eos_token_id", raw.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    try:
+        return ModelConfig(
+            vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"], layer_types=tuple(layer_types[:num_layers]),
+            num_attention_heads=text["num_attention_heads"], num_key_value_heads=text["num_key_value_heads"],
+            head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+            linear_num_key_heads=text["linear_num_key_heads"],
+            linear_num_value_heads=text["linear_num_value_heads"],
+            linear_key_head_dim=text["linear_key_head_dim"], linear_value_head_dim=text["linear_value_head_dim"],
+            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4), rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope["rope_theta"]), partial_rotary_factor=float(rope["partial_rotary_factor"]),
+            tie_word_embeddings=bool(tie), mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
+            max_position_embeddings=text.get("max_position_embeddings", 262_144), eos_token_ids=eos_ids,
+        ).validate()
+    except KeyError as missing:
+        raise FlashRTError(ErrorCode.LOAD_FAILED, f"config.json lacks required field {missing}") from None
+
+
+def load_config(folder: Path) -> ModelConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FlashRTError(ErrorCode.LOAD_FAILED, f"no config.json in {folder}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise FlashRTError(ErrorCode.LOAD_FAILED, f"{path} is not valid JSON: {err}") from None
+    return from_hf_dict(raw)
+
+
+def _hybrid(n: int) -> tuple[str, ...]:
+    """Qwen3.5's layout: three Gated DeltaNet layers, then one full-attention layer."""
+    return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n))
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # CPU tests and the demo: byte-level vocabulary (0-255 bytes, 256 end-of-text, the rest free for the discretiser).
+    "tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, layer_types=_hybrid(4), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, rope_theta=10_000.0, tie_word_embeddings=True,
+        mtp_num_hidden_layers=1, max_position_embeddings=65_536, eos_token_ids=(256,)),
+    "qwen3.5-0.8b": ModelConfig(
+        vocab_size=248_320, hidden_size=1024, intermediate_size=3584, layer_types=_hybrid(24),
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        tie_word_embeddings=True, mtp_num_hidden_layers=1),
+    "qwen3.5-2b": ModelConfig(
+        vocab_size=248_320, hidden_size=2048, intermediate_size=6144, layer_types=_hybrid(24),
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        tie_word_embeddings=True, mtp_num_hidden_layers=1),
+    "qwen3.6-27b": ModelConfig(
+        vocab_size=248_320, hidden_size=5120, intermediate_size=17_408, layer_types=_hybrid(64),
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        tie_word_embeddings=False, mtp_num_hidden_layers=1),
+}

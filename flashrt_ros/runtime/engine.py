@@ -1,0 +1,423 @@
+"""The engine: one model, one live stream in one arena, and capsules of it.
+
+Public calls validate everything first and raise :class:`FlashRTError` before touching any state, so a refused
+request leaves the live state and every capsule byte-identical. Every call ends at a commit boundary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections import deque
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from . import capsules as capsule_io
+from .arena import POSITION, RNG_COUNTER, RNG_SEED, Arena, buffer_specs
+from .capsules import Capsule, CapsuleInfo, CapsuleStore
+from .checksum import checksum
+from .config import PRESETS
+from .errors import ErrorCode, FlashRTError
+from .graphs import GraphRunner
+from .kernels import fla_available
+from .sampler import Sampler, SamplingParams
+from .tokenizer import load_tokenizer
+from .weights import load_model, random_model, weights_digest
+
+PLAN_VERSION = "flashrt-plan-1"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MIN_KV_BUCKET = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"                 # preset name or local HF folder
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_context: int = 2048
+    prefill_chunk: int = 64             # tokens per prefill piece (a power of two)
+    cuda_graphs: bool = True
+    graph_prefill_max: int = 64         # prefill pieces up to this size are graph-captured on CUDA
+    use_fla: bool = True                # fla-core chunked kernel for prefill on CUDA when installed
+    capsule_budget_bytes: int = 256 << 20
+    history_depth: int = 32
+    checksum_on_snapshot: bool = True
+    seed: int = 0
+
+    def validate(self) -> "EngineConfig":
+        def bad(why):
+            return FlashRTError(ErrorCode.INVALID_ARGUMENT, f"engine config: {why}")
+        if self.dtype not in _DTYPES:
+            raise bad(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_context < 1:
+            raise bad("max_context must be >= 1")
+        if self.prefill_chunk < 1 or self.prefill_chunk & (self.prefill_chunk - 1):
+            raise bad(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
+        if self.history_depth < 1 or self.capsule_budget_bytes < 0:
+            raise bad("history_depth must be >= 1 and capsule_budget_bytes >= 0")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise FlashRTError(ErrorCode.LOAD_FAILED, f"device {self.device!r} requested but CUDA is not available")
+        return self
+
+
+def _pieces(count: int, chunk: int) -> list[int]:
+    """Split a prefill into full chunks, then descending powers of two (each piece a fixed-shape bucket)."""
+    out = []
+    while count:
+        piece = chunk if count >= chunk else 1 << (count.bit_length() - 1)
+        out.append(piece)
+        count -= piece
+    return out
+
+
+class Engine:
+    @torch.inference_mode()
+    def __init__(self, config: EngineConfig = EngineConfig()):
+        self.config = cfg = config.validate()
+        self.device = torch.device(cfg.device)
+        dtype = _DTYPES[cfg.dtype]
+        folder = None if cfg.model in PRESETS else Path(cfg.model)
+        if folder is None:
+            self.model = random_model(cfg.model, self.device, dtype, cfg.seed)
+        else:
+            self.model = load_model(folder, self.device, dtype)
+        self.model.eval()
+        self.model_config = self.model.cfg
+        if cfg.max_context > self.model_config.max_position_embeddings:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"max_context {cfg.max_context} exceeds the model's "
+                                                           f"{self.model_config.max_position_embeddings} positions")
+        self.tokenizer = load_tokenizer(folder)
+        self.arena = Arena(buffer_specs(self.model_config, cfg.max_context, dtype), self.device)
+        use_fla = cfg.use_fla and self.device.type == "cuda" and fla_available()
+        self.kernel_name = "fla" if use_fla else "reference"
+        self.model.bind(self.arena, use_fla=use_fla)
+        self.sampler = Sampler(self.model_config.vocab_size, self.device)
+        self._sampling: SamplingParams | None = None
+        self._tokens = torch.zeros(max(cfg.prefill_chunk, 1), dtype=torch.int64, device=self.device)
+        self.fingerprint = self._compute_fingerprint(dtype)
+        self.store = CapsuleStore(cfg.capsule_budget_bytes)
+        self._fixed_span = self.arena.specs["kv"].offset
+        self._history = torch.zeros(cfg.history_depth, self._fixed_span, dtype=torch.uint8, device=self.device)
+        self._boundaries: deque[tuple[int, int]] = deque()   # (history slot, position), oldest first
+        self._next_slot = 0
+        self.live_parent = ""
+        self.kv_buckets = self._kv_bucket_sizes()
+        self.graphs = GraphRunner(cfg.cuda_graphs and self.device.type == "cuda")
+        if self.graphs.enabled:
+            self._capture_graphs()
+        self.stats_ttft_ms = 0.0
+        self.stats_tokens_per_s = 0.0
+        self._last_ingest_s = 0.0
+        self.reset()
+
+    # ---- properties --------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_context
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.model_config.eos_token_ids
+
+    @property
+    def position(self) -> int:
+        return self.arena.position()
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.arena.nbytes
+
+    @property
+    def capsule_bytes_used(self) -> int:
+        return self.store.used_bytes
+
+    @property
+    def capsule_budget_bytes(self) -> int:
+        return self.store.budget_bytes
+
+    def stats(self) -> dict:
+        return {"position": self.position, "ttft_ms": self.stats_ttft_ms,
+                "decode_tokens_per_s": self.stats_tokens_per_s, "arena_bytes": self.arena_bytes,
+                "capsule_bytes": self.capsule_bytes_used, "capsule_budget_bytes": self.capsule_budget_bytes,
+                "capsule_count": len(self.store.infos()), "kernel": self.kernel_name,
+                "cuda_graphs": len(self.graphs.graphs)}
+
+    # ---- execution ---------------------------------------------------------------------------------------
+    def _kv_bucket_sizes(self) -> list[int]:
+        sizes, size = [], _MIN_KV_BUCKET
+        while size < self.config.max_context:
+            sizes.append(size)
+            size *= 2
+        return sizes + [self.config.max_context]
+
+    def _kv_bucket(self, end: int) -> int:
+        return next(b for b in self.kv_buckets if b >= end)
+
+    def _feed_step(self, length: int, kv_len: int):
+        return lambda: self.model.forward(self._tokens[:length], kv_len)
+
+    def _decode_step(self, greedy: bool, kv_len: int):
+        def step():
+            logits = self.model.logits()
+            token = self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
+            self._tokens[:1].copy_(token)
+            self.model.forward(self._tokens[:1], kv_len)
+        return step
+
+    def _capture_graphs(self) -> None:
+        """Capture decode (greedy and sampled) and small prefill pieces for every KV bucket. Mutates the arena."""
+        def prepare():
+            self.arena.storage.zero_()
+            self._tokens.zero_()
+        for kv_len in self.kv_buckets:
+            for greedy in (True, False):
+                self.graphs.capture(("decode", greedy, kv_len), self._decode_step(greedy, kv_len), prepare)
+            length = 1
+            while length <= min(self.config.graph_prefill_max, self.config.prefill_chunk, kv_len):
+                self.graphs.capture(("feed", length, kv_len), self._feed_step(length, kv_len), prepare)
+                length *= 2
+        torch.cuda.synchronize(self.device)
+
+    def _feed(self, token_ids: Sequence[int]) -> None:
+        start = self.position
+        offset = 0
+        for length in _pieces(len(token_ids), self.config.prefill_chunk):
+            self._tokens[:length].copy_(torch.tensor(token_ids[offset:offset + length], dtype=torch.int64))
+            kv_len = self._kv_bucket(start + offset + length)
+            self.graphs.run(("feed", length, kv_len), self._feed_step(length, kv_len))
+            offset += length
+
+    # ---- history for rollback(steps=k) --------------------------------------------------------------------
+    def _push_boundary(self) -> None:
+        """Record the fixed-size state at this commit boundary; KV is append-only, so it needs no copy."""
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % self.config.history_depth
+        if len(self._boundaries) == self.config.history_depth:
+            self._boundaries.popleft()
+        self._history[slot].copy_(self.arena.storage[:self._fixed_span], non_blocking=True)
+        self._boundaries.append((slot, self.position))
+
+    def _clear_history(self) -> None:
+        self._boundaries.clear()
+        self._push_boundary()
+
+    # ---- stream ------------------------------------------------------------------------------------------
+    def _check_tokens(self, token_ids: Iterable[int]) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise FlashRTError(ErrorCode.TOKEN_OUT_OF_RANGE,
+                               f"token id(s) {bad[:5]} outside [0, {self.vocab_size})")
+        if self.position + len(ids) > self.max_context:
+            raise FlashRTError(ErrorCode.CONTEXT_OVERFLOW, f"{len(ids)} tokens at position {self.position} exceed "
+                                                           f"max_context {self.max_context}")
+        return ids
+
+    @torch.inference_mode()
+    def ingest(self, token_ids: Sequence[int]) -> int:
+        """Append tokens to the context (chunked prefill); returns the new position."""
+        ids = self._check_tokens(token_ids)
+        if ids:
+            started = time.perf_counter()
+            self._feed(ids)
+            self._push_boundary()
+            self._last_ingest_s = time.perf_counter() - started
+        return self.position
+
+    def generate(self, max_new_tokens: int, sampling: SamplingParams | None = None,
+                 stop_token_ids: Iterable[int] | None = None) -> Iterator[int]:
+        """Validate now; then yield one token per commit boundary. Stop iterating at any time: the state stays
+        consistent at the last yielded token. Ends early at a stop token or when the context is full."""
+        params = (sampling or SamplingParams()).validate()
+        if max_new_tokens < 0:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if self.position == 0:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "empty context: ingest at least one token first")
+        stops = set(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        return self._generate(max_new_tokens, params, stops)
+
+    @torch.inference_mode()
+    def _generate(self, max_new_tokens: int, params: SamplingParams, stops: set[int]) -> Iterator[int]:
+        for index in range(max_new_tokens):
+            position = self.position
+            if position >= self.max_context:
+                return
+            started = time.perf_counter()
+            if params != self._sampling:
+                self.sampler.configure(params)
+                self._sampling = params
+            kv_len = self._kv_bucket(position + 1)
+            self.graphs.run(("decode", params.greedy, kv_len), self._decode_step(params.greedy, kv_len))
+            token = int(self._tokens[0])
+            self._push_boundary()
+            elapsed = time.perf_counter() - started
+            if index == 0:
+                self.stats_ttft_ms = 1000.0 * (self._last_ingest_s + elapsed)
+            else:
+                rate = 1.0 / max(elapsed, 1e-9)
+                self.stats_tokens_per_s = rate if index == 1 else 0.9 * self.stats_tokens_per_s + 0.1 * rate
+            yield token
+            if token in stops:
+                return
+
+    @torch.inference_mode()
+    def next_token_logits(self) -> torch.Tensor:
+        """fp32 logits for the token after the live context (for tests and verification)."""
+        return self.model.logits().cpu()
+
+    @torch.inference_mode()
+    def reset(self) -> None:
+        """Empty context, sampler reseeded to the configured seed; capsules are kept."""
+        self.arena.storage.zero_()
+        self.arena["meta"][RNG_SEED] = self.config.seed
+        self.live_parent = ""
+        self._clear_history()
+
+    @torch.inference_mode()
+    def reseed(self, seed: int) -> None:
+        if not 0 <= seed < 2 ** 63:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"seed must be in [0, 2**63), got {seed}")
+        self.arena["meta"][RNG_SEED] = seed
+        self.arena["meta"][RNG_COUNTER] = 0
+        self._clear_history()
+
+    # ---- capsules ----------------------------------------------------------------------------------------
+    def _copy_live(self) -> tuple[int, torch.Tensor]:
+        position = self.position
+        data = torch.empty(self.arena.live_nbytes(position), dtype=torch.uint8, device=self.device)
+        self.arena.read_live(position, data)
+        return position, data
+
+    def _new_capsule(self, capsule_id: str | None, label: str, parent: str) -> CapsuleInfo:
+        new_id = self.store.new_id(capsule_id)
+        self.store.check_room(self.arena.live_nbytes(self.position))
+        position, data = self._copy_live()
+        info = CapsuleInfo(id=new_id, parent=parent, label=label, position=position, nbytes=data.numel(),
+                           tier="device" if data.is_cuda else "host",
+                           checksum=checksum(data) if self.config.checksum_on_snapshot else "", created=time.time())
+        self.store.add(Capsule(info, self.fingerprint, data))
+        return info
+
+    @torch.inference_mode()
+    def snapshot(self, capsule_id: str | None = None, label: str = "") -> CapsuleInfo:
+        info = self._new_capsule(capsule_id, label, parent=self.live_parent)
+        self.live_parent = info.id
+        return info
+
+    def _restorable(self, capsule_id: str, verify_checksum: bool) -> Capsule:
+        capsule = self.store.get(capsule_id)
+        if capsule.fingerprint != self.fingerprint:
+            raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
+                               f"capsule {capsule_id!r} was taken from another model, config or plan "
+                               f"(fingerprint {capsule.fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
+        if verify_checksum:
+            if not capsule.info.checksum:
+                raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule {capsule_id!r} has no stored checksum")
+            if checksum(capsule.data) != capsule.info.checksum:
+                raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"capsule {capsule_id!r} is corrupted: its bytes "
+                                                                f"no longer match its checksum")
+        return capsule
+
+    def _load(self, capsule: Capsule, kv_only: bool = False) -> None:
+        self.arena.write_live(capsule.info.position, capsule.data, kinds=("kv", "meta") if kv_only else None)
+        self.live_parent = capsule.info.id
+        self._clear_history()
+
+    @torch.inference_mode()
+    def restore(self, capsule_id: str, verify_checksum: bool = False, kv_only: bool = False) -> CapsuleInfo:
+        """Make the capsule the live state. ``kv_only`` restores only KV and metadata (an ablation: it diverges)."""
+        capsule = self._restorable(capsule_id, verify_checksum)
+        self._load(capsule, kv_only)
+        return capsule.info
+
+    @torch.inference_mode()
+    def fork(self, source_id: str | None = None, capsule_id: str | None = None, label: str = "",
+             switch: bool = False) -> CapsuleInfo:
+        """A new, independent capsule of a capsule (or of the live state, when source_id is None)."""
+        if source_id is None:
+            info = self._new_capsule(capsule_id, label, parent=self.live_parent)
+            if switch:
+                self.live_parent = info.id
+            return info
+        source = self._restorable(source_id, verify_checksum=False)
+        new_id = self.store.new_id(capsule_id)
+        self.store.check_room(source.info.nbytes)
+        info = dataclasses.replace(source.info, id=new_id, parent=source_id, label=label, created=time.time())
+        self.store.add(Capsule(info, source.fingerprint, source.data.clone()))
+        if switch:
+            self._load(self.store.get(new_id))
+        return info
+
+    @torch.inference_mode()
+    def rollback(self, capsule_id: str | None = None, steps: int | None = None) -> int:
+        """Back to an ancestor capsule of the live state, or ``steps`` commit boundaries back."""
+        if (capsule_id is None) == (steps is None):
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "rollback needs exactly one of capsule_id or steps")
+        if capsule_id is not None:
+            capsule = self._restorable(capsule_id, verify_checksum=False)
+            if capsule_id not in self.store.ancestors(self.live_parent):
+                raise FlashRTError(ErrorCode.NOT_IN_LINEAGE, f"capsule {capsule_id!r} is not an ancestor of the live "
+                                                             f"state (live descends from {self.live_parent!r})")
+            self._load(capsule)
+            return self.position
+        if steps < 1:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"steps must be >= 1, got {steps}")
+        if steps >= len(self._boundaries):
+            raise FlashRTError(ErrorCode.NO_HISTORY, f"only {len(self._boundaries) - 1} commit boundaries of history "
+                                                     f"are kept; cannot go back {steps}")
+        for _ in range(steps):
+            self._boundaries.pop()
+        slot, position = self._boundaries[-1]
+        self.arena.storage[:self._fixed_span].copy_(self._history[slot])
+        self._next_slot = (slot + 1) % self.config.history_depth
+        self.live_parent = next((a for a in self.store.ancestors(self.live_parent)
+                                 if self.store.get(a).info.position <= position), "")
+        return position
+
+    def drop(self, capsule_id: str) -> int:
+        return self.store.drop(capsule_id)
+
+    def capsule(self, capsule_id: str) -> CapsuleInfo:
+        return self.store.get(capsule_id).info
+
+    def capsules(self) -> list[CapsuleInfo]:
+        return self.store.infos()
+
+    @torch.inference_mode()
+    def live_checksum(self) -> str:
+        return checksum(self._copy_live()[1])
+
+    @torch.inference_mode()
+    def live_bytes(self) -> torch.Tensor:
+        """A copy of the live state's bytes in capsule layout (for byte-exact checks)."""
+        return self._copy_live()[1]
+
+    def capsule_bytes(self, capsule_id: str) -> torch.Tensor:
+        return self.store.get(capsule_id).data
+
+    # ---- files -------------------------------------------------------------------------------------------
+    def export_capsule(self, capsule_id: str, path: str | Path) -> None:
+        capsule_io.write_capsule_file(self.store.get(capsule_id), Path(path))
+
+    @torch.inference_mode()
+    def import_capsule(self, path: str | Path) -> CapsuleInfo:
+        """Read a capsule file into the store (its id must be free). Restore checks its fingerprint."""
+        capsule = capsule_io.read_capsule_file(Path(path), self.device)
+        self.store.new_id(capsule.info.id)
+        self.store.add(capsule)
+        return capsule.info
+
+    # ---- identity ----------------------------------------------------------------------------------------
+    def _compute_fingerprint(self, dtype: torch.dtype) -> str:
+        identity = {"weights": weights_digest(self.model), "config": self.model_config.to_json(),
+                    "manifest": self.arena.manifest_json(), "dtype": str(dtype), "plan": PLAN_VERSION,
+                    "kernel": self.kernel_name, "device_type": self.device.type,
+                    "prefill_chunk": self.config.prefill_chunk}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,65 @@
+"""Token sampling inside the step: greedy, or temperature / top-k / top-p with a counter-based RNG in the arena.
+
+Sampling settings live in small static device tensors (not part of the state: they belong to the request), so one
+captured graph serves every setting. The random draw is Gumbel-max over the filtered, sorted logits, keyed by the
+arena's (seed, counter); a restored capsule therefore replays the same draws.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import rng
+from .arena import RNG_COUNTER, RNG_SEED
+from .errors import ErrorCode, FlashRTError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0     # 0 = greedy
+    top_k: int = 0               # 0 = off
+    top_p: float = 1.0           # 1 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        if not self.temperature >= 0.0 or self.temperature > 100.0:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"top_p must be in (0, 1], got {self.top_p}")
+        return self
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.temperature = torch.ones((), device=device)
+        self.top_k = torch.full((), vocab_size, dtype=torch.int64, device=device)
+        self.top_p = torch.ones((), device=device)
+        self.ranks = torch.arange(vocab_size, device=device)
+
+    def configure(self, params: SamplingParams) -> None:
+        """Write the request's settings into the static tensors (no reallocation: graphs keep their addresses)."""
+        self.temperature.fill_(params.temperature if not params.greedy else 1.0)
+        self.top_k.fill_(params.top_k if params.top_k > 0 else self.ranks.numel())
+        self.top_p.fill_(params.top_p)
+
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(-1, keepdim=True)
+
+    def sample(self, logits: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """Draw one token (shape [1]) and advance the arena's RNG counter."""
+        ordered, order = (logits / self.temperature).sort(descending=True)
+        probs = ordered.softmax(-1)
+        keep = (self.ranks < self.top_k) & ((probs.cumsum(-1) - probs) < self.top_p)
+        keep[0] = True
+        noise = rng.uniform(meta[RNG_SEED], meta[RNG_COUNTER], self.ranks)
+        gumbel = -torch.log(-torch.log(noise))
+        choice = torch.where(keep, ordered + gumbel, torch.full_like(ordered, float("-inf"))).argmax(-1, keepdim=True)
+        meta[RNG_COUNTER] += 1
+        return order[choice]
