@@ -74,7 +74,7 @@ def _pieces(count: int, chunk: int) -> list[int]:
 
 
 class Engine:
-    @torch.inference_mode()
+    @torch.no_grad()
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = cfg = config.validate()
         self.device = torch.device(cfg.device)
@@ -84,7 +84,7 @@ class Engine:
             self.model = random_model(cfg.model, self.device, dtype, cfg.seed)
         else:
             self.model = load_model(folder, self.device, dtype)
-        self.model.eval()
+        self.model.eval().requires_grad_(False)
         self.model_config = self.model.cfg
         if cfg.max_context > self.model_config.max_position_embeddings:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"max_context {cfg.max_context} exceeds the model's "
@@ -266,6 +266,11 @@ class Engine:
             yield token
             if token in stops:
                 return
+
+    @torch.inference_mode()
+    def peek_token(self) -> int:
+        """The greedy next token, without committing it (scoring, TTFT measurement)."""
+        return int(self.model.logits().argmax())
 
     @torch.inference_mode()
     def next_token_logits(self) -> torch.Tensor:

@@ -1,0 +1,164 @@
+"""Benchmark: capsule size, snapshot/restore vs the copy floor, cold vs capsule TTFT, decode, and optionally HF.
+
+Every ratio is measured side by side in one run on one engine. Times are host wall-clock around synchronised
+device work (what a caller sees), medians and 99th percentiles over repeated runs.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .checksum import checksum
+from .engine import Engine
+from .verify import prompt_tokens
+
+SUFFIX_LEN = 24
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(device, fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(1000.0 * (time.perf_counter() - started))
+    return out
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _hf_model(engine: Engine):
+    """HF's Qwen3_5ForCausalLM sharing the engine's weight tensors (no second copy of the weights)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = engine.model_config
+    hf_cfg = Qwen3_5TextConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, layer_types=list(cfg.layer_types),
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, linear_num_key_heads=cfg.linear_num_key_heads,
+        linear_num_value_heads=cfg.linear_num_value_heads, linear_key_head_dim=cfg.linear_key_head_dim,
+        linear_value_head_dim=cfg.linear_value_head_dim, linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
+        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                         "partial_rotary_factor": cfg.partial_rotary_factor})
+    with torch.device("meta"):
+        hf = Qwen3_5ForCausalLM(hf_cfg)
+    weights = {k: v for k, v in engine.model.state_dict().items() if not k.startswith("mtp.")}
+    if cfg.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    hf.load_state_dict(weights, assign=True, strict=True)
+    hf.requires_grad_(False)
+    hf.model.rotary_emb.to_empty(device=engine.device)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float) / cfg.rotary_dim))
+    hf.model.rotary_emb.inv_freq = inv_freq.to(engine.device)
+    hf.model.rotary_emb.original_inv_freq = hf.model.rotary_emb.inv_freq.clone()
+    return hf.eval()
+
+
+def _hf_figures(engine: Engine, prompt: list[int], repeats: int) -> dict:
+    hf = _hf_model(engine)
+    ids = torch.tensor([prompt], device=engine.device)
+
+    def cold():
+        return int(hf(ids, logits_to_keep=1).logits[0, -1].argmax())
+
+    with torch.inference_mode():
+        ttft = _time_ms(engine.device, cold, repeats)
+        out = hf(ids, use_cache=True, logits_to_keep=1)
+        cache, token = out.past_key_values, out.logits[0, -1].argmax().view(1, 1)
+        steps = _time_ms(engine.device, lambda: hf(token, past_key_values=cache, use_cache=True, logits_to_keep=1),
+                         repeats + 2)
+    del hf
+    return {"hf_cold_ttft_ms": statistics.median(ttft), "hf_decode_step_ms": statistics.median(steps[2:])}
+
+
+def bench_context(engine: Engine, context: int, repeats: int, decode_tokens: int, compare_hf: bool) -> dict:
+    device = engine.device
+    prefix = prompt_tokens(engine.vocab_size, context - SUFFIX_LEN, "bench-prefix")
+    suffix = prompt_tokens(engine.vocab_size, SUFFIX_LEN, "bench-suffix")
+
+    def cold():
+        engine.reset()
+        engine.ingest(prefix + suffix)
+        return engine.peek_token()
+
+    cold_ms = _time_ms(device, cold, repeats)
+    engine.reset()
+    engine.ingest(prefix)
+    capsule = engine.snapshot(capsule_id="bench")
+    nbytes = capsule.nbytes
+
+    def snapshot():
+        engine.snapshot(capsule_id="bench-s")
+        engine.drop("bench-s")
+
+    snapshot_ms = _time_ms(device, snapshot, repeats)
+    restore_ms = _time_ms(device, lambda: engine.restore("bench"), repeats)
+    src = engine.capsule_bytes("bench")
+    dst = torch.empty_like(src)
+    floor_ms = _time_ms(device, lambda: dst.copy_(src), repeats)
+    checksum_ms = _time_ms(device, lambda: checksum(src), max(3, repeats // 4))
+
+    def capsule_ttft():
+        engine.restore("bench")
+        engine.ingest(suffix)
+        return engine.peek_token()
+
+    capsule_ms = _time_ms(device, capsule_ttft, repeats)
+    assert capsule_ttft() == cold(), "capsule TTFT path produced a different first token than cold prefill"
+
+    engine.restore("bench")
+    engine.ingest(suffix)
+    steps = list(engine.generate(2, stop_token_ids=()))           # warm
+    _sync(device)
+    started = time.perf_counter()
+    steps = list(engine.generate(decode_tokens, stop_token_ids=()))
+    _sync(device)
+    decode_ms = 1000.0 * (time.perf_counter() - started) / max(1, len(steps))
+    engine.drop("bench")
+
+    row = {
+        "context": context, "capsule_bytes": nbytes,
+        "snapshot_p50_ms": statistics.median(snapshot_ms), "snapshot_p99_ms": _p(snapshot_ms, 0.99),
+        "restore_p50_ms": statistics.median(restore_ms), "restore_p99_ms": _p(restore_ms, 0.99),
+        "copy_floor_p50_ms": statistics.median(floor_ms),
+        "checksum_p50_ms": statistics.median(checksum_ms),
+        "cold_ttft_ms": statistics.median(cold_ms), "capsule_ttft_ms": statistics.median(capsule_ms),
+        "decode_ms_per_token": decode_ms,
+    }
+    row["snapshot_over_floor"] = row["snapshot_p50_ms"] / row["copy_floor_p50_ms"]
+    row["restore_over_floor"] = row["restore_p50_ms"] / row["copy_floor_p50_ms"]
+    row["ttft_speedup"] = row["cold_ttft_ms"] / row["capsule_ttft_ms"]
+    if compare_hf:
+        row.update(_hf_figures(engine, prefix + suffix, max(3, repeats // 4)))
+        row["cold_ttft_over_hf"] = row["cold_ttft_ms"] / row["hf_cold_ttft_ms"]
+        row["decode_speedup_vs_hf"] = row["hf_decode_step_ms"] / row["decode_ms_per_token"]
+    return row
+
+
+COLUMNS = [("context", "{}"), ("capsule_bytes", "{:,}"), ("snapshot_p50_ms", "{:.3f}"), ("snapshot_p99_ms", "{:.3f}"),
+           ("restore_p50_ms", "{:.3f}"), ("restore_p99_ms", "{:.3f}"), ("copy_floor_p50_ms", "{:.3f}"),
+           ("restore_over_floor", "{:.2f}"), ("checksum_p50_ms", "{:.3f}"), ("cold_ttft_ms", "{:.2f}"), ("capsule_ttft_ms", "{:.2f}"),
+           ("ttft_speedup", "{:.1f}x"), ("decode_ms_per_token", "{:.2f}"), ("hf_cold_ttft_ms", "{:.2f}"),
+           ("hf_decode_step_ms", "{:.2f}")]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cols = [(c, f) for c, f in COLUMNS if any(c in r for r in rows)]
+    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(f.format(r[c]) if c in r else "" for c, f in cols) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""``flashrt-runtime`` (also ``python -m flashrt_ros.runtime``): generate, verify, bench. JSON on stdout."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .bench import bench_context, markdown_table
+from .engine import Engine, EngineConfig
+from .errors import FlashRTError
+from .sampler import SamplingParams
+from .verify import verify
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="tiny, a preset name, or a local HF folder")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-context", type=int, default=None)
+    parser.add_argument("--prefill-chunk", type=int, default=None)
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--no-fla", action="store_true", help="use the reference delta-rule kernel on CUDA")
+    parser.add_argument("--capsule-budget-mb", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="weights seed for presets")
+
+
+def _config(args, max_context: int, chunk: int, budget_mb: int, checksum: bool = True) -> EngineConfig:
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                        max_context=args.max_context or max_context, prefill_chunk=args.prefill_chunk or chunk,
+                        cuda_graphs=not args.no_cuda_graphs, use_fla=not args.no_fla,
+                        capsule_budget_bytes=(args.capsule_budget_mb or budget_mb) << 20, seed=args.seed,
+                        checksum_on_snapshot=checksum)
+
+
+def cmd_generate(args) -> dict:
+    engine = Engine(_config(args, 4096, 64, 256))
+    prompt = ([int(t) for t in args.prompt_ids.split(",") if t.strip()] if args.prompt_ids is not None
+              else engine.tokenizer.encode(args.prompt))
+    if args.seed_sampler is not None:
+        engine.reseed(args.seed_sampler)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    started = time.perf_counter()
+    engine.ingest(prompt)
+    tokens, stamps = [], []
+    for token in engine.generate(args.max_new_tokens, sampling):
+        tokens.append(token)
+        stamps.append(time.perf_counter())
+    ttft = 1000.0 * (stamps[0] - started) if stamps else None
+    per_token = 1000.0 * (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+    return {"tokens": tokens, "text": engine.tokenizer.decode(tokens), "ttft_ms": ttft,
+            "decode_ms_per_token": per_token, "prompt_tokens": len(prompt)}
+
+
+def cmd_verify(args) -> dict:
+    needed = args.prefix_len + 2 * (args.suffix_len + args.gen) + 64
+    engine = Engine(_config(args, needed, 64, 1024))
+    return verify(engine, args.prefix_len, args.suffix_len, args.gen, kv_only=args.kv_only)
+
+
+def cmd_bench(args) -> dict:
+    contexts = [int(c) for c in args.contexts.split(",")]
+    engine = Engine(_config(args, max(contexts) + args.decode_tokens + 8, 2048 if args.device != "cpu" else 64,
+                            8192, checksum=False))
+    rows = [bench_context(engine, c, args.repeats, args.decode_tokens, args.compare_hf) for c in contexts]
+    result = {"model": args.model, "device": args.device, "dtype": args.dtype, "kernel": engine.kernel_name,
+              "cuda_graphs": len(engine.graphs.graphs), "arena_bytes": engine.arena_bytes, "rows": rows}
+    print(markdown_table(rows), file=sys.stderr)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashrt-runtime", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="prompt in, tokens out")
+    _engine_args(gen)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed-sampler", type=int, default=None, help="sampler RNG seed")
+    gen.set_defaults(func=cmd_generate)
+    ver = sub.add_parser("verify", help="byte-exact restore and token-identical continuation checks")
+    _engine_args(ver)
+    ver.add_argument("--prefix-len", type=int, default=128)
+    ver.add_argument("--suffix-len", type=int, default=24)
+    ver.add_argument("--gen", type=int, default=32)
+    ver.add_argument("--kv-only", action="store_true", help="also run the KV-only restore ablation")
+    ver.set_defaults(func=cmd_verify)
+    ben = sub.add_parser("bench", help="capsule and TTFT benchmark")
+    _engine_args(ben)
+    ben.add_argument("--contexts", default="256,1024")
+    ben.add_argument("--repeats", type=int, default=20)
+    ben.add_argument("--decode-tokens", type=int, default=32)
+    ben.add_argument("--compare-hf", action="store_true", help="also time transformers on the same weights")
+    ben.add_argument("--out", help="write the JSON result here too")
+    ben.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.func(args)
+    except FlashRTError as err:
+        print(json.dumps({"error": err.code.name, "error_code": int(err.code), "message": err.message}))
+        return 2
+    print(json.dumps(result))
+    ok = result.get("token_identical", True) and result.get("byte_exact", True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
