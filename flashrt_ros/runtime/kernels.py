@@ -134,6 +134,7 @@ def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -
 
 def delta_rule_fla(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """fla-core's chunked kernel with the same contract (CUDA only)."""
+    q, k = _expand_heads(q, k, v.shape[1])
     out, final = _fla_chunk(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
                             initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
     state.copy_(final[0])
