@@ -65,8 +65,12 @@ def checksum_cupy(data: torch.Tensor) -> str:
 
 def checksum(data: torch.Tensor) -> str:
     """Checksum of a uint8 tensor (any device)."""
+    global _cupy_kernel
     if _cupy_kernel is not None and data.is_cuda:
-        return checksum_cupy(data)
+        try:
+            return checksum_cupy(data)
+        except Exception:  # noqa: BLE001 - e.g. no NVRTC: fall back to torch, which gives the same value
+            _cupy_kernel = None
     return checksum_torch(data)
 
 
