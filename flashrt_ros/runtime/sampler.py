@@ -56,8 +56,7 @@ class Sampler:
         """Draw one token (shape [1]) and advance the arena's RNG counter."""
         ordered, order = (logits / self.temperature).sort(descending=True)
         probs = ordered.softmax(-1)
-        keep = (self.ranks < self.top_k) & ((probs.cumsum(-1) - probs) < self.top_p)
-        keep[0] = True
+        keep = (self.ranks < self.top_k) & ((probs.cumsum(-1) - probs) < self.top_p) | (self.ranks == 0)
         noise = rng.uniform(meta[RNG_SEED], meta[RNG_COUNTER], self.ranks)
         gumbel = -torch.log(-torch.log(noise))
         choice = torch.where(keep, ordered + gumbel, torch.full_like(ordered, float("-inf"))).argmax(-1, keepdim=True)
