@@ -23,6 +23,7 @@ from .config import PRESETS
 from .errors import ErrorCode, FlashRTError
 from .graphs import GraphRunner
 from .kernels import fla_available
+from .model import SMALL_PIECE
 from .sampler import Sampler, SamplingParams
 from .tokenizer import load_tokenizer
 from .weights import load_model, random_model, weights_digest
@@ -40,7 +41,6 @@ class EngineConfig:
     max_context: int = 2048
     prefill_chunk: int = 64             # tokens per prefill piece (a power of two)
     cuda_graphs: bool = True
-    graph_prefill_max: int = 64         # prefill pieces up to this size are graph-captured on CUDA
     use_fla: bool = True                # fla-core chunked kernel for prefill on CUDA when installed
     capsule_budget_bytes: int = 256 << 20
     history_depth: int = 32
@@ -172,7 +172,9 @@ class Engine:
         return step
 
     def _capture_graphs(self) -> None:
-        """Capture decode (greedy and sampled) and small prefill pieces for every KV bucket. Mutates the arena."""
+        """Capture decode (greedy and sampled) and small prefill pieces for every KV bucket. Mutates the arena.
+
+        Larger pieces run eagerly: they are compute-bound, so a graph would save nothing measurable."""
         def prepare():
             self.arena.storage.zero_()
             self._tokens.zero_()
@@ -180,7 +182,7 @@ class Engine:
             for greedy in (True, False):
                 self.graphs.capture(("decode", greedy, kv_len), self._decode_step(greedy, kv_len), prepare)
             length = 1
-            while length <= min(self.config.graph_prefill_max, self.config.prefill_chunk, kv_len):
+            while length <= min(SMALL_PIECE, self.config.prefill_chunk, kv_len):
                 self.graphs.capture(("feed", length, kv_len), self._feed_step(length, kv_len), prepare)
                 length *= 2
         torch.cuda.synchronize(self.device)

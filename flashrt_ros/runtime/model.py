@@ -15,6 +15,11 @@ from .arena import LAST_TOKEN, POSITION, Arena
 from .config import ModelConfig
 
 
+# Prefill pieces up to this length are graph-captured on CUDA and always use the reference delta-rule kernel, so
+# graph-captured and eager runs compute the same bytes; longer pieces may use fla-core.
+SMALL_PIECE = 64
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -63,7 +68,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         if length == 1:
             core = kernels.delta_rule_recurrent(q, k, v, g, beta, recurrent_state)
-        elif use_fla and not torch.cuda.is_current_stream_capturing():
+        elif use_fla and length > SMALL_PIECE:
             core = kernels.delta_rule_fla(q, k, v, g, beta, recurrent_state)
         else:
             core = kernels.delta_rule_chunked(q, k, v, g, beta, recurrent_state)

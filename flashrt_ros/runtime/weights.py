@@ -34,7 +34,7 @@ def _fill_random(name: str, tensor: torch.Tensor, seed: int) -> None:
         index = torch.arange(start, min(start + step, flat.numel()), device=tensor.device)
         u = rng.uniform(seed, stream, index) * 2.0 - 1.0
         if name.endswith("A_log"):
-            values = torch.log(1.0 + 7.5 * (u + 1.0))                    # A in [1, 16]
+            values = torch.log(0.02 + 0.24 * (u + 1.0))                  # A in [0.02, 0.5]: state kept for tens of tokens
         elif name.endswith("dt_bias"):
             values = 1.0 + 0.1 * u
         elif tensor.dim() == 1:                                          # norm weights, near their neutral value
