@@ -18,6 +18,14 @@ case "$1" in
     python3 -m flashrt_ros.runtime bench --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
         --contexts 2048,8192,16384 --repeats 30 --decode-tokens 64 --compare-hf --out "$OUT/bench_0.8b.json" > /dev/null
     ;;
+  all)
+    python3 -m pytest -q -p no:cacheprovider test/test_runtime_gpu.py 2>&1 | tail -4
+    for preset in qwen3.5-0.8b qwen3.6-27b; do
+      python3 -m flashrt_ros.runtime bench --model $preset --device cuda --dtype bfloat16 \
+          --contexts 2048,8192,16384 --repeats 20 --decode-tokens 32 --compare-hf --out "$OUT/bench_$preset.json" \
+          2>&1 | grep -v -i warn | tail -6
+    done
+    ;;
   large)
     python3 -m flashrt_ros.runtime bench --model qwen3.6-27b --device cuda --dtype bfloat16 \
         --contexts 2048,8192,16384 --repeats 10 --decode-tokens 32 --compare-hf --out "$OUT/bench_27b.json" > /dev/null

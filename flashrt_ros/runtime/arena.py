@@ -94,17 +94,22 @@ class Arena:
     def live_nbytes(self, position: int) -> int:
         return sum(s.live_bytes(position) for s in self.specs.values())
 
-    def segments(self, position: int, kinds: tuple[str, ...] | None = None) -> list[tuple[int, int, int]]:
+    @property
+    def fixed_names(self) -> tuple[str, ...]:
+        """The buffers whose whole extent is live at every position (everything but the KV caches)."""
+        return tuple(s.name for s in self.specs.values() if not s.per_token)
+
+    def segments(self, position: int, names: tuple[str, ...] | None = None) -> list[tuple[int, int, int]]:
         """Live byte ranges as (arena offset, capsule offset, length), adjacent ranges merged.
 
-        The capsule layout is the concatenation of every buffer's live bytes in arena order; ``kinds`` selects a
+        The capsule layout is the concatenation of every buffer's live bytes in arena order; ``names`` selects a
         subset of buffers (their capsule offsets stay those of the full layout).
         """
         out: list[tuple[int, int, int]] = []
         capsule_offset = 0
         for spec in self.specs.values():
             length = spec.live_bytes(position)
-            if (kinds is None or spec.kind in kinds) and length:
+            if (names is None or spec.name in names) and length:
                 last = out[-1] if out else None
                 if last and last[0] + last[2] == spec.offset and last[1] + last[2] == capsule_offset:
                     out[-1] = (last[0], last[1], last[2] + length)
@@ -118,7 +123,7 @@ class Arena:
         for arena_off, capsule_off, length in self.segments(position):
             dst[capsule_off:capsule_off + length].copy_(self.storage[arena_off:arena_off + length], non_blocking=True)
 
-    def write_live(self, position: int, src: torch.Tensor, kinds: tuple[str, ...] | None = None) -> None:
+    def write_live(self, position: int, src: torch.Tensor, names: tuple[str, ...] | None = None) -> None:
         """Copy capsule bytes back into the live buffers with ``copy_`` (captured graphs stay valid)."""
-        for arena_off, capsule_off, length in self.segments(position, kinds):
+        for arena_off, capsule_off, length in self.segments(position, names):
             self.storage[arena_off:arena_off + length].copy_(src[capsule_off:capsule_off + length], non_blocking=True)

@@ -63,6 +63,15 @@ class EngineConfig:
         return self
 
 
+@dataclasses.dataclass(frozen=True)
+class _Boundary:
+    """A commit boundary kept for rollback: its position and where its fixed-size state is, either a history slot
+    (arena layout) or the capsule it was restored from (no copy needed)."""
+    position: int
+    slot: int | None = None
+    capsule: Capsule | None = None
+
+
 def _pieces(count: int, chunk: int) -> list[int]:
     """Split a prefill into full chunks, then descending powers of two (each piece a fixed-shape bucket)."""
     out = []
@@ -101,7 +110,7 @@ class Engine:
         self.store = CapsuleStore(cfg.capsule_budget_bytes)
         self._fixed_span = self.arena.specs["kv"].offset
         self._history = torch.zeros(cfg.history_depth, self._fixed_span, dtype=torch.uint8, device=self.device)
-        self._boundaries: deque[tuple[int, int]] = deque()   # (history slot, position), oldest first
+        self._boundaries: deque[_Boundary] = deque()          # oldest first
         self._next_slot = 0
         self.live_parent = ""
         self.kv_buckets = self._kv_bucket_sizes()
@@ -160,8 +169,8 @@ class Engine:
     def _kv_bucket(self, end: int) -> int:
         return next(b for b in self.kv_buckets if b >= end)
 
-    def _feed_step(self, length: int, kv_len: int):
-        return lambda: self.model.forward(self._tokens[:length], kv_len)
+    def _feed_step(self, length: int, kv_len: int, dense: bool = False):
+        return lambda: self.model.forward(self._tokens[:length], kv_len, dense)
 
     def _decode_step(self, greedy: bool, kv_len: int):
         def step():
@@ -187,28 +196,35 @@ class Engine:
                 length *= 2
         torch.cuda.synchronize(self.device)
 
-    def _feed(self, token_ids: Sequence[int]) -> None:
-        start = self.position
+    def _feed(self, start: int, token_ids: Sequence[int]) -> None:
         offset = 0
         for length in _pieces(len(token_ids), self.config.prefill_chunk):
             self._tokens[:length].copy_(torch.tensor(token_ids[offset:offset + length], dtype=torch.int64))
-            kv_len = self._kv_bucket(start + offset + length)
-            self.graphs.run(("feed", length, kv_len), self._feed_step(length, kv_len))
+            end = start + offset + length
+            if length <= SMALL_PIECE:
+                kv_len = self._kv_bucket(end)
+                self.graphs.run(("feed", length, kv_len), self._feed_step(length, kv_len))
+            else:
+                self._feed_step(length, end, dense=True)()
             offset += length
 
     # ---- history for rollback(steps=k) --------------------------------------------------------------------
-    def _push_boundary(self) -> None:
+    def _push_boundary(self, position: int) -> None:
         """Record the fixed-size state at this commit boundary; KV is append-only, so it needs no copy."""
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.config.history_depth
         if len(self._boundaries) == self.config.history_depth:
             self._boundaries.popleft()
         self._history[slot].copy_(self.arena.storage[:self._fixed_span], non_blocking=True)
-        self._boundaries.append((slot, self.position))
+        self._boundaries.append(_Boundary(position, slot=slot))
 
-    def _clear_history(self) -> None:
+    def _restart_history(self, capsule: Capsule | None = None) -> None:
+        """After the live state was replaced: the only boundary is now, backed by ``capsule`` if it holds it."""
         self._boundaries.clear()
-        self._push_boundary()
+        if capsule is None:
+            self._push_boundary(self.position)
+        else:
+            self._boundaries.append(_Boundary(capsule.info.position, capsule=capsule))
 
     # ---- stream ------------------------------------------------------------------------------------------
     def _check_tokens(self, token_ids: Iterable[int]) -> list[int]:
@@ -228,8 +244,9 @@ class Engine:
         ids = self._check_tokens(token_ids)
         if ids:
             started = time.perf_counter()
-            self._feed(ids)
-            self._push_boundary()
+            start = self.position
+            self._feed(start, ids)
+            self._push_boundary(start + len(ids))
             self._last_ingest_s = time.perf_counter() - started
         return self.position
 
@@ -258,7 +275,7 @@ class Engine:
             kv_len = self._kv_bucket(position + 1)
             self.graphs.run(("decode", params.greedy, kv_len), self._decode_step(params.greedy, kv_len))
             token = int(self._tokens[0])
-            self._push_boundary()
+            self._push_boundary(position + 1)
             elapsed = time.perf_counter() - started
             if index == 0:
                 self.stats_ttft_ms = 1000.0 * (self._last_ingest_s + elapsed)
@@ -285,7 +302,7 @@ class Engine:
         self.arena.storage.zero_()
         self.arena["meta"][RNG_SEED] = self.config.seed
         self.live_parent = ""
-        self._clear_history()
+        self._restart_history()
 
     @torch.inference_mode()
     def reseed(self, seed: int) -> None:
@@ -293,19 +310,19 @@ class Engine:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"seed must be in [0, 2**63), got {seed}")
         self.arena["meta"][RNG_SEED] = seed
         self.arena["meta"][RNG_COUNTER] = 0
-        self._clear_history()
+        self._restart_history()
 
     # ---- capsules ----------------------------------------------------------------------------------------
-    def _copy_live(self) -> tuple[int, torch.Tensor]:
-        position = self.position
+    def _copy_live(self, position: int) -> torch.Tensor:
         data = torch.empty(self.arena.live_nbytes(position), dtype=torch.uint8, device=self.device)
         self.arena.read_live(position, data)
-        return position, data
+        return data
 
     def _new_capsule(self, capsule_id: str | None, label: str, parent: str) -> CapsuleInfo:
         new_id = self.store.new_id(capsule_id)
-        self.store.check_room(self.arena.live_nbytes(self.position))
-        position, data = self._copy_live()
+        position = self.position
+        self.store.check_room(self.arena.live_nbytes(position))
+        data = self._copy_live(position)
         info = CapsuleInfo(id=new_id, parent=parent, label=label, position=position, nbytes=data.numel(),
                            tier="device" if data.is_cuda else "host",
                            checksum=checksum(data) if self.config.checksum_on_snapshot else "", created=time.time())
@@ -333,9 +350,9 @@ class Engine:
         return capsule
 
     def _load(self, capsule: Capsule, kv_only: bool = False) -> None:
-        self.arena.write_live(capsule.info.position, capsule.data, kinds=("kv", "meta") if kv_only else None)
+        self.arena.write_live(capsule.info.position, capsule.data, names=("meta", "kv") if kv_only else None)
         self.live_parent = capsule.info.id
-        self._clear_history()
+        self._restart_history(None if kv_only else capsule)
 
     @torch.inference_mode()
     def restore(self, capsule_id: str, verify_checksum: bool = False, kv_only: bool = False) -> CapsuleInfo:
@@ -381,9 +398,13 @@ class Engine:
                                                      f"are kept; cannot go back {steps}")
         for _ in range(steps):
             self._boundaries.pop()
-        slot, position = self._boundaries[-1]
-        self.arena.storage[:self._fixed_span].copy_(self._history[slot])
-        self._next_slot = (slot + 1) % self.config.history_depth
+        target = self._boundaries[-1]
+        position = target.position
+        if target.capsule is not None:
+            self.arena.write_live(position, target.capsule.data, names=self.arena.fixed_names)
+        else:
+            self.arena.storage[:self._fixed_span].copy_(self._history[target.slot])
+            self._next_slot = (target.slot + 1) % self.config.history_depth
         self.live_parent = next((a for a in self.store.ancestors(self.live_parent)
                                  if self.store.get(a).info.position <= position), "")
         return position
@@ -399,12 +420,12 @@ class Engine:
 
     @torch.inference_mode()
     def live_checksum(self) -> str:
-        return checksum(self._copy_live()[1])
+        return checksum(self._copy_live(self.position))
 
     @torch.inference_mode()
     def live_bytes(self) -> torch.Tensor:
         """A copy of the live state's bytes in capsule layout (for byte-exact checks)."""
-        return self._copy_live()[1]
+        return self._copy_live(self.position)
 
     def capsule_bytes(self, capsule_id: str) -> torch.Tensor:
         return self.store.get(capsule_id).data

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 try:  # optional production kernels (pure Python + Triton); parity-tested against the reference below
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
@@ -18,11 +19,9 @@ def fla_available() -> bool:
     return _fla_chunk is not None and torch.cuda.is_available()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3.5's zero-centred RMSNorm: normalise in fp32, scale by (1 + w)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + weight.float())).type_as(x)
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm: normalise in fp32, multiply by ``scale`` = (1 + w) in fp32."""
+    return F.rms_norm(x.float(), scale.shape, scale, eps).type_as(x)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,20 +140,35 @@ def delta_rule_fla(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     return out[0]
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Causal GQA attention of L queries at ``positions`` over a position-major KV prefix.
+def attention_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention of a few queries at ``positions`` over a position-major KV prefix (decode, small pieces).
 
-    q: [L, H, D]; keys/values: [T, Hkv, D] (T = a bucket >= last position + 1); entries past each query's position
-    are masked, so stale bytes beyond the live position never matter. The query heads sharing a KV head are folded
-    into the query length, so SDPA sees plain multi-head attention and can use its memory-efficient kernel.
-    Returns [L, H, D].
+    q: [L, H, D]; keys/values: [T, Hkv, D] where T is a bucket >= last position + 1; entries past each query's
+    position are masked, so stale bytes beyond the live position never matter and one captured graph serves every
+    position in the bucket. The query heads sharing a KV head are folded into the query length. Scores in the model
+    dtype, softmax in fp32 (as HF's eager attention). Returns [L, H, D].
     """
     length, heads, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
     q = q.view(length, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * length, dim)
+    scores = torch.bmm(q, keys.permute(1, 2, 0)) * dim ** -0.5                # [Hkv, G*L, T]
     span = torch.arange(keys.shape[0], device=q.device)
-    mask = span[None, :] <= positions.repeat(groups)[:, None]              # [G*L, T]
-    out = F.scaled_dot_product_attention(q[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                                         attn_mask=mask)
-    return out[0].view(kv_heads, groups, length, dim).permute(2, 0, 1, 3).reshape(length, heads, dim)
+    visible = span[None, :] <= positions.repeat(groups)[:, None]
+    probs = scores.float().masked_fill(~visible, float("-inf")).softmax(-1).to(values.dtype)
+    out = torch.bmm(probs, values.transpose(0, 1))                             # [Hkv, G*L, D]
+    return out.view(kv_heads, groups, length, dim).permute(2, 0, 1, 3).reshape(length, heads, dim)
+
+
+def attention_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention of a prefill chunk whose L queries are the last L of exactly T = len(keys) positions.
+
+    The causal structure is passed to SDPA as a lower-right bias (never materialised), so a flash kernel runs.
+    """
+    length, heads, _ = q.shape
+    groups = heads // keys.shape[1]
+    keys, values = (x.repeat_interleave(groups, dim=1).transpose(0, 1)[None] for x in (keys, values))
+    bias = causal_lower_right(length, keys.shape[2])
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=bias)
+    return out[0].transpose(0, 1)

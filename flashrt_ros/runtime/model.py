@@ -25,9 +25,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.scale: torch.Tensor | None = None   # (1 + weight) in fp32, computed once by Qwen35.bind
 
     def forward(self, x):
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.rms_norm(x, self.scale, self.eps)
 
 
 class MLP(nn.Module):
@@ -89,8 +90,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, kv_cache, kv_len: int):
-        """kv_cache: this layer's [max_context, 2, Hkv, D] slice of the arena's position-major KV buffer."""
+    def forward(self, x, cos, sin, positions, kv_cache, kv_len: int, dense: bool):
+        """kv_cache: this layer's [max_context, 2, Hkv, D] slice of the arena's position-major KV buffer.
+
+        ``dense``: the queries are exactly the last L of ``kv_len`` positions (an eager prefill chunk), so attention
+        uses a flash kernel with an implicit causal bias; otherwise ``kv_len`` is a bucket and attention is masked.
+        """
         cfg, length = self.cfg, x.shape[0]
         q, gate = self.q_proj(x).view(length, cfg.num_attention_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
         q = kernels.apply_rope(self.q_norm(q), cos, sin)
@@ -99,7 +104,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(length, cfg.num_key_value_heads, cfg.head_dim)
         kv_cache[:, 0].index_copy_(0, positions, k)
         kv_cache[:, 1].index_copy_(0, positions, v)
-        out = kernels.attention(q, kv_cache[:kv_len, 0], kv_cache[:kv_len, 1], positions)
+        attend = kernels.attention_causal if dense else kernels.attention_masked
+        out = attend(q, kv_cache[:kv_len, 0], kv_cache[:kv_len, 1], *(() if dense else (positions,)))
         out = out.reshape(length, -1) * torch.sigmoid(gate.reshape(length, -1))
         return self.o_proj(out)
 
@@ -157,8 +163,11 @@ class Qwen35(nn.Module):
         return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
     def bind(self, arena: Arena, use_fla: bool = False) -> None:
-        """Attach the arena and build the static RoPE tables (one row per position of the context)."""
+        """Attach the arena; build the static RoPE tables (one row per position) and the fp32 norm scales."""
         cfg = self.cfg
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.scale = 1.0 + module.weight.float()
         self.arena, self.use_fla = arena, use_fla
         max_context = arena["kv"].shape[0]
         device, dtype = arena["hidden"].device, arena["hidden"].dtype
@@ -173,10 +182,11 @@ class Qwen35(nn.Module):
         """Next-token logits (fp32) from the last hidden state in the arena."""
         return F.linear(self.arena["hidden"], self.output_weight()).float()
 
-    def forward(self, tokens: torch.Tensor, kv_len: int) -> None:
+    def forward(self, tokens: torch.Tensor, kv_len: int, dense: bool = False) -> None:
         """Append ``tokens`` [L] to the stream: update every state buffer, the last hidden state and the position.
 
-        ``kv_len`` (a host-side bucket >= position + L) bounds the attention span; it selects a graph, not a result.
+        ``kv_len`` bounds the attention span: a bucket >= position + L (it selects a graph, not a result), or with
+        ``dense`` exactly position + L (eager prefill chunks).
         """
         arena, cfg = self.arena, self.cfg
         meta = arena["meta"]
@@ -192,20 +202,20 @@ class Qwen35(nn.Module):
                 mixed = layer.linear_attn(h, arena["conv"][linear_idx], arena["recurrent"][linear_idx], self.use_fla)
                 linear_idx += 1
             else:
-                mixed = layer.self_attn(h, cos, sin, positions, arena["kv"][:, attn_idx], kv_len)
+                mixed = layer.self_attn(h, cos, sin, positions, arena["kv"][:, attn_idx], kv_len, dense)
                 attn_idx += 1
             x = layer(x, mixed)
         hidden = self.model.norm(x)
         if cfg.mtp_num_hidden_layers:
-            self._mtp_forward(embeds, hidden, cos, sin, positions, kv_len)
+            self._mtp_forward(embeds, hidden, cos, sin, positions, kv_len, dense)
         arena["hidden"].copy_(hidden[-1])
         meta[LAST_TOKEN] = tokens[-1]
         meta[POSITION] += length
 
-    def _mtp_forward(self, embeds, hidden, cos, sin, positions, kv_len: int) -> None:
+    def _mtp_forward(self, embeds, hidden, cos, sin, positions, kv_len: int, dense: bool) -> None:
         """Advance the MTP head's KV: the pair at position p is (hidden state before token p, embedding of token p)."""
         mtp = self.mtp
         previous = torch.cat([self.arena["hidden"][None], hidden[:-1]], dim=0)
         x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(embeds), mtp.pre_fc_norm_hidden(previous)], dim=-1))
         layer = mtp.layers[0]  # only its KV write is state; its output feeds speculative decoding (a later issue)
-        layer.self_attn(layer.input_layernorm(x), cos, sin, positions, self.arena["mtp_kv"][:, 0], kv_len)
+        layer.self_attn(layer.input_layernorm(x), cos, sin, positions, self.arena["mtp_kv"][:, 0], kv_len, dense)
