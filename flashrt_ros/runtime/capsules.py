@@ -111,7 +111,8 @@ class CapsuleStore:
 def write_capsule_file(capsule: Capsule, path: Path) -> None:
     """Atomic: written to a temporary file in the same folder, then renamed over ``path``."""
     path = Path(path)
-    header = json.dumps({"info": dataclasses.asdict(capsule.info), "fingerprint": capsule.fingerprint}).encode()
+    info = capsule.info if capsule.info.checksum else dataclasses.replace(capsule.info, checksum=checksum(capsule.data))
+    header = json.dumps({"info": dataclasses.asdict(info), "fingerprint": capsule.fingerprint}).encode()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -144,6 +145,11 @@ def read_capsule_file(path: Path, device: torch.device) -> Capsule:
         header = json.loads(blob[_HEADER.size:_HEADER.size + header_len])
         info = CapsuleInfo(**header["info"])
         fingerprint = header["fingerprint"]
+        types = {"id": str, "parent": str, "label": str, "position": int, "nbytes": int, "tier": str,
+                 "checksum": str, "created": (int, float)}
+        wrong = [name for name, kind in types.items() if not isinstance(getattr(info, name), kind)]
+        if wrong or not isinstance(fingerprint, str):
+            raise TypeError(f"fields of the wrong type: {wrong or ['fingerprint']}")
     except (ValueError, KeyError, TypeError) as err:
         raise corrupt(f"unreadable header: {err}") from None
     payload = blob[_HEADER.size + header_len:]

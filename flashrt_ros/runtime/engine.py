@@ -341,6 +341,9 @@ class Engine:
             raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
                                f"capsule {capsule_id!r} was taken from another model, config or plan "
                                f"(fingerprint {capsule.fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
+        if capsule.info.nbytes != self.arena.live_nbytes(capsule.info.position):
+            raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"capsule {capsule_id!r}: its size does not match its "
+                                                            f"position {capsule.info.position}")
         if verify_checksum:
             if not capsule.info.checksum:
                 raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule {capsule_id!r} has no stored checksum")
@@ -438,6 +441,11 @@ class Engine:
     def import_capsule(self, path: str | Path) -> CapsuleInfo:
         """Read a capsule file into the store (its id must be free). Restore checks its fingerprint."""
         capsule = capsule_io.read_capsule_file(Path(path), self.device)
+        if capsule.fingerprint == self.fingerprint and \
+                capsule.info.nbytes != self.arena.live_nbytes(capsule.info.position):
+            raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"{path}: corrupted capsule file (header position "
+                                                            f"{capsule.info.position} does not match its payload)")
+        capsule_io.validate_capsule_id(capsule.info.id)
         self.store.new_id(capsule.info.id)
         self.store.add(capsule)
         return capsule.info

@@ -37,4 +37,4 @@ def uniform(seed: torch.Tensor | int, stream: torch.Tensor | int, index: torch.T
     key = hash32((torch.as_tensor(seed, device=index.device) & MASK32) ^ hash32(
         torch.as_tensor(stream, device=index.device) & MASK32))
     bits = hash32(hash32((index + key) & MASK32) ^ key)
-    return ((bits >> 8).float() + 0.5) * (1.0 / 16_777_216.0)
+    return ((bits >> 9).float() + 0.5) * (1.0 / 8_388_608.0)   # 23 bits: the +0.5 is exact, so never 0 or 1
