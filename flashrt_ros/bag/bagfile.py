@@ -1,0 +1,162 @@
+"""Reading and writing flashrt_ros session bags (standard rosbag2, through the `rosbags` library).
+
+A session bag holds the node's four topics (``~/observation`` in; ``~/tokens``, ``~/action`` and
+``~/events`` out) with their message definitions embedded, plus a :class:`BagHeader` in the rosbag2
+metadata's ``custom_data``: what the replay needs to rebuild the engine and to refuse a different model.
+MCAP is the default storage; sqlite3 bags are read and written the same way.
+"""
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import apsw  # rosbags' sqlite3 driver; its errors mean a corrupt .db3
+from rosbags.rosbag2 import Reader, ReaderError, StoragePlugin, Writer, WriterError
+
+from flashrt_ros.bag.typestore import PACKAGE, typestore
+
+#: short topic name (relative to the node) -> message type
+TOPICS = {
+    "observation": f"{PACKAGE}/msg/Observation",
+    "tokens": f"{PACKAGE}/msg/TokenChunk",
+    "action": f"{PACKAGE}/msg/ActionChunk",
+    "events": f"{PACKAGE}/msg/StateEvent",
+}
+STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
+_KEY = PACKAGE + "."  # prefix of our keys in custom_data
+
+
+class BagError(Exception):
+    """The bag cannot be used: missing, truncated, corrupt, or not a flashrt_ros session bag."""
+
+
+@dataclass(frozen=True)
+class BagHeader:
+    """What a session was recorded against."""
+
+    node: str                  # fully qualified node name, e.g. "/flashrt"; topics live under it
+    fingerprint: str           # Engine.fingerprint of the recording node
+    parameters: dict = field(default_factory=dict)  # the node's parameters (name -> value)
+    package_version: str = ""
+
+    def to_custom_data(self) -> dict[str, str]:
+        return {
+            _KEY + "node": self.node,
+            _KEY + "fingerprint": self.fingerprint,
+            _KEY + "parameters": json.dumps(self.parameters, sort_keys=True),
+            _KEY + "package_version": self.package_version,
+        }
+
+    @classmethod
+    def from_custom_data(cls, data: dict | None) -> "BagHeader":
+        data = data or {}
+        if _KEY + "fingerprint" not in data:
+            raise BagError("bag has no flashrt_ros header (custom_data): record with `flashrt_bag record`, "
+                           "or give a `ros2 bag record` bag its header with `flashrt_bag adopt`")
+        try:
+            parameters = json.loads(data.get(_KEY + "parameters", "{}"))
+        except json.JSONDecodeError as exc:
+            raise BagError(f"bag header parameters are not valid JSON: {exc}") from None
+        return cls(node=data.get(_KEY + "node", ""), fingerprint=data[_KEY + "fingerprint"],
+                   parameters=parameters, package_version=data.get(_KEY + "package_version", ""))
+
+    def topic(self, short: str) -> str:
+        """Full topic name of one of :data:`TOPICS` for this node."""
+        return f"{self.node.rstrip('/')}/{short}"
+
+
+@dataclass(frozen=True)
+class Record:
+    """One message of a session bag, deserialised."""
+
+    topic: str   # short name: a key of TOPICS
+    stamp: int   # bag (receive) time in ns
+    msg: object  # rosbags message object
+
+
+class BagWriter:
+    """Context manager writing one session bag; the header goes into the metadata on close."""
+
+    def __init__(self, path: str | Path, header: BagHeader, storage: str = "mcap"):
+        if storage not in STORAGES:
+            raise BagError(f"unknown storage {storage!r}; use one of {sorted(STORAGES)}")
+        self.header = header
+        self._path = Path(path)
+        self._storage = STORAGES[storage]
+        self._connections = {}
+
+    def __enter__(self) -> "BagWriter":
+        try:
+            self._writer = Writer(self._path, version=9, storage_plugin=self._storage)
+            self._writer.open()
+        except WriterError as exc:
+            raise BagError(str(exc)) from None
+        for key, value in self.header.to_custom_data().items():
+            self._writer.set_custom_data(key, value)
+        for short, msgtype in TOPICS.items():
+            self._connections[short] = self._writer.add_connection(
+                self.header.topic(short), msgtype, typestore=typestore())
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._writer.__exit__(*exc_info)
+
+    def write_cdr(self, topic: str, stamp: int, data: bytes) -> None:
+        """Write an already serialised (CDR) message, as received from the ROS graph."""
+        self._writer.write(self._connections[topic], stamp, data)
+
+    def write(self, topic: str, stamp: int, msg: object) -> None:
+        self.write_cdr(topic, stamp, typestore().serialize_cdr(msg, TOPICS[topic]))
+
+
+# What rosbags and the storage libraries raise on a truncated or corrupt file.
+_READ_ERRORS = (ReaderError, OSError, ValueError, KeyError, IndexError, EOFError, ArithmeticError,
+                struct.error, apsw.Error)
+
+
+def read_bag(path: str | Path) -> tuple[BagHeader, list[Record]]:
+    """The header and every message of the session bag at ``path`` (a bag directory), in bag-time
+    order. Raises :class:`BagError` with a readable reason for anything that is not a sound bag."""
+    path = Path(path)
+    if not (path / "metadata.yaml").is_file():
+        raise BagError(f"{path} is not a rosbag2 bag directory (no metadata.yaml)")
+    try:
+        with Reader(path) as reader:
+            header = BagHeader.from_custom_data(reader.storage.metadata.custom)
+            wanted = {header.topic(short): short for short in TOPICS}
+            connections = [c for c in reader.connections if c.topic in wanted]
+            records = [
+                Record(wanted[conn.topic], stamp,
+                       typestore().deserialize_cdr(data, TOPICS[wanted[conn.topic]]))
+                for conn, stamp, data in reader.messages(connections)
+            ]
+    except BagError:
+        raise
+    except _READ_ERRORS as exc:
+        raise BagError(f"cannot read bag {path}: {type(exc).__name__}: {exc}") from None
+    records.sort(key=lambda r: r.stamp)
+    return header, records
+
+
+def adopt_bag(source: str | Path, target: str | Path, header: BagHeader, storage: str = "mcap") -> int:
+    """Copy ``header.node``'s four topics from any rosbag2 bag (e.g. one that ``ros2 bag record``
+    wrote, without a header) into a new session bag with ``header``; returns the message count."""
+    source = Path(source)
+    wanted = {header.topic(short): short for short in TOPICS}
+    count = 0
+    try:
+        with Reader(source) as reader:
+            connections = [c for c in reader.connections if c.topic in wanted]
+            wrong = [c.topic for c in connections if c.msgtype != TOPICS[wanted[c.topic]]]
+            if wrong or not connections:
+                raise BagError(f"{source} has no flashrt_ros topics of {header.node} "
+                               f"(or they carry other types: {wrong})")
+            with BagWriter(target, header, storage) as bag:
+                for conn, stamp, data in reader.messages(connections):
+                    bag.write_cdr(wanted[conn.topic], stamp, data)
+                    count += 1
+    except BagError:
+        raise
+    except _READ_ERRORS as exc:
+        raise BagError(f"cannot read bag {source}: {type(exc).__name__}: {exc}") from None
+    return count

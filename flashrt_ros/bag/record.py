@@ -1,0 +1,93 @@
+"""Record a running flashrt node's session into a bag, with rclpy alone (no rosbag2 needed).
+
+The recorder subscribes to the node's four topics with ``raw=True`` and writes the serialized CDR
+bytes straight into the bag, stamped with their receive time, exactly as ``ros2 bag record`` does.
+The bag header holds the node's parameters, read through the standard parameter services, and the
+fingerprint of the engine they build (computed here: the node does not publish its own).
+"""
+import threading
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+from rclpy.node import Node
+from rclpy.parameter import parameter_value_to_python
+from rclpy.parameter_client import AsyncParameterClient
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+from flashrt_ros.bag.bagfile import TOPICS, BagError, BagHeader, BagWriter
+from flashrt_ros.bag.replay import engine_fingerprint
+from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
+
+MSG_CLASSES = {"observation": Observation, "tokens": TokenChunk, "action": ActionChunk, "events": StateEvent}
+
+
+def package_version() -> str:
+    try:
+        return version("flashrt_ros")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def fetch_header(node: Node, target: str, timeout: float = 30.0) -> BagHeader:
+    """The header for a recording of ``target``: its parameters and their engine's fingerprint.
+
+    ``node`` must be spinning in another thread (the parameter requests complete there).
+    """
+    client = AsyncParameterClient(node, target)
+    if not client.wait_for_services(timeout_sec=timeout):
+        raise BagError(f"node {target} does not answer its parameter services")
+    names = _wait(client.list_parameters(), timeout, target).result.names
+    values = _wait(client.get_parameters(names), timeout, target).values
+    parameters = {n: parameter_value_to_python(v) for n, v in zip(names, values)}
+    return BagHeader(node=target, fingerprint=engine_fingerprint(parameters), parameters=parameters,
+                     package_version=package_version())
+
+
+def _wait(future, timeout: float, target: str):
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    if not done.wait(timeout):
+        raise BagError(f"node {target} did not answer a parameter request within {timeout:.0f} s")
+    return future.result()
+
+
+class Recorder:
+    """Writes everything ``header.node`` publishes (and receives on ``~/observation``) into a bag.
+
+    Messages are written from the subscription callbacks, so ``node`` must be spun by the caller;
+    :meth:`close` stops recording and writes the metadata. ``topics`` narrows what is recorded.
+    """
+
+    def __init__(self, node: Node, path, header: BagHeader, storage: str = "mcap", topics=tuple(TOPICS)):
+        self._node = node
+        self._lock = threading.Lock()
+        self.count = 0  # messages written
+        self._bag = BagWriter(path, header, storage).__enter__()
+        qos = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
+        self._subscriptions = {
+            short: node.create_subscription(MSG_CLASSES[short], header.topic(short), self._writer(short), qos,
+                                            raw=True)
+            for short in topics
+        }
+
+    def _writer(self, short: str):
+        def write(data: bytes) -> None:
+            with self._lock:
+                if self._bag is not None:
+                    self._bag.write_cdr(short, time.time_ns(), data)
+                    self.count += 1
+        return write
+
+    def connected(self) -> bool:
+        """Whether the node's recorded output topics are matched (``~/observation`` is published by
+        others, whenever they like)."""
+        return all(s.get_publisher_count() > 0 for short, s in self._subscriptions.items()
+                   if short != "observation")
+
+    def close(self) -> None:
+        for subscription in self._subscriptions.values():
+            self._node.destroy_subscription(subscription)
+        with self._lock:
+            bag, self._bag = self._bag, None
+        if bag is not None:
+            bag.__exit__(None, None, None)

@@ -1,0 +1,155 @@
+"""ROS latency benchmark: the flashrt node in one process, this client in another.
+
+Measures, over loopback DDS:
+
+* service round trip p50/p99 of ``~/snapshot`` and ``~/restore`` at a few context lengths (the
+  node's own ``latency_ms`` is reported next to it, so the ROS share is visible);
+* the latency from publishing an urgent observation to receiving its first token while a long
+  generation runs, next to the same observation's latency on an idle node (the node streams one
+  token per chunk here, so the first chunk is the first token).
+
+Prints a markdown table and writes the raw figures as JSON (``--out``)::
+
+    python -m flashrt_ros.bench_node --model tiny --out bench_node.json
+"""
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from flashrt_ros.demo import ensure_loopback_env, local_node
+
+
+def percentiles(samples_ms):
+    ordered = sorted(samples_ms)
+
+    def pick(q):
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"n": len(ordered), "p50_ms": statistics.median(ordered), "p99_ms": pick(0.99),
+            "max_ms": ordered[-1]}
+
+
+def _check(response, what):
+    if not response.success:
+        raise RuntimeError(f"{what} refused: error_code {response.error_code}: {response.message}")
+    return response
+
+
+def fill_context(client, tokens: int) -> int:
+    """Reset, then feed ``tokens`` token ids and generate one token; returns the live position.
+
+    The ids are printable ASCII (32..126), valid in every model's vocabulary (tiny is byte-level).
+    """
+    _check(client.reset(), "reset")
+    ids = [32 + (7 * i) % 95 for i in range(tokens)]
+    return _check(client.generate(token_ids=ids, max_new_tokens=1, temperature=0.0), "generate").position
+
+
+def service_latency(client, context, calls):
+    """Snapshot and restore ``calls`` times each at ``context`` tokens."""
+    position = fill_context(client, context)
+    snap_rt, snap_node, restore_rt, restore_node = [], [], [], []
+    for _ in range(calls):
+        start = time.perf_counter()
+        response = _check(client.snapshot("bench"), "snapshot")
+        snap_rt.append((time.perf_counter() - start) * 1e3)
+        snap_node.append(response.latency_ms)
+        _check(client.drop(response.capsule.id), "drop")
+    capsule = _check(client.snapshot("bench restore"), "snapshot").capsule
+    for _ in range(calls):
+        start = time.perf_counter()
+        response = _check(client.restore(capsule.id), "restore")
+        restore_rt.append((time.perf_counter() - start) * 1e3)
+        restore_node.append(response.latency_ms)
+    _check(client.drop(capsule.id), "drop")
+    return [
+        {"op": "snapshot", "position": position, "round_trip": percentiles(snap_rt),
+         "node": percentiles(snap_node), "capsule_bytes": capsule.bytes},
+        {"op": "restore", "position": position, "round_trip": percentiles(restore_rt),
+         "node": percentiles(restore_node), "capsule_bytes": capsule.bytes},
+    ]
+
+
+def first_token_latency(client, trials, long_tokens):
+    """Publish -> first token of an observation: urgent while a long generation runs, and idle.
+
+    The idle figure (the same observation with nothing running) is the baseline: the difference is
+    what preempting costs (finishing the current decode step and keeping the interrupted capsule).
+    """
+    from flashrt_ros.msg import Observation
+
+    def first_token_ms(observation):
+        start = time.perf_counter()
+        stream = client.wait_tokens(stamp_ns=client.publish(observation))
+        return (stream.first_token_at - start) * 1e3
+
+    urgent, idle = [], []
+    _check(client.reset(), "reset")
+    _check(client.generate("The robot is working in the kitchen.", 1, temperature=0.0), "generate")
+    base = _check(client.snapshot("bench urgent base"), "snapshot").capsule
+    for trial in range(trials):
+        text = f"Stop now ({trial})."
+        _check(client.restore(base.id), "restore")
+        idle.append(first_token_ms(client.observation(text, max_new_tokens=1)))
+        _check(client.restore(base.id), "restore")
+        long_stamp = client.publish(client.observation(" Describe the kitchen.", max_new_tokens=long_tokens))
+        client.wait_tokens(stamp_ns=long_stamp, min_tokens=1)
+        urgent.append(first_token_ms(client.observation(text, max_new_tokens=1,
+                                                        priority=Observation.PRIORITY_URGENT)))
+        interrupted = client.wait_tokens(stamp_ns=long_stamp)
+        if interrupted.finish_reason != "preempted":
+            raise RuntimeError(f"trial {trial}: the long generation ended '{interrupted.finish_reason}' "
+                               "before the urgent observation arrived")
+        _check(client.drop(f"interrupted-{interrupted.request_id}"), "drop")
+    _check(client.drop(base.id), "drop")
+    return [{"op": "urgent observation -> first token (generation running)", "position": base.position,
+             "round_trip": percentiles(urgent)},
+            {"op": "same observation -> first token (idle)", "position": base.position,
+             "round_trip": percentiles(idle)}]
+
+
+def markdown(rows) -> str:
+    lines = ["| measurement | context (tokens) | n | p50 (ms) | p99 (ms) | node p50 (ms) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        rt = r["round_trip"]
+        node_p50 = f"{r['node']['p50_ms']:.3f}" if "node" in r else ""
+        lines.append(f"| {r['op']} | {r['position']} | {rt['n']} | {rt['p50_ms']:.2f} | {rt['p99_ms']:.2f} | "
+                     f"{node_p50} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1536])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--trials", type=int, default=30)
+    parser.add_argument("--long-tokens", type=int, default=256)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    max_context = max(args.contexts) + args.long_tokens + 128
+
+    ensure_loopback_env()
+    log_path = Path(tempfile.mkdtemp(prefix="flashrt_bench_")) / "node.log"
+    with local_node(log_path, 300.0, model=args.model, device=args.device, max_context=max_context,
+                    autostart=True, stream_chunk_tokens=1) as (client, _):
+        rows = [row for context in args.contexts for row in service_latency(client, context, args.calls)]
+        rows += first_token_latency(client, args.trials, args.long_tokens)
+    print(markdown(rows))
+    if args.out:
+        meta = {"model": args.model, "device": args.device, "max_context": max_context,
+                "machine": platform.platform(), "python": platform.python_version(),
+                "command": " ".join(["python -m flashrt_ros.bench_node", *(argv or sys.argv[1:])])}
+        args.out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,371 @@
+"""The ``flashrt`` lifecycle node: the ROS 2 adapter around one Engine (via Session + EngineWorker).
+
+Lifecycle (rclpy.lifecycle, as in ros2/demos lifecycle_py):
+
+* constructor: declares the parameters, creates the services, the ``~/generate`` action server and the
+  (lifecycle) publishers. Services and the action always answer; outside ``active`` they answer
+  ``NOT_ACTIVE``. With ``autostart`` (default) it configures and activates itself.
+* ``on_configure``: reads the parameters, builds the Engine (load, allocate, warm up), starts the engine
+  thread, subscribes ``~/observation`` (QoS from ``qos.observation.*``) and starts the ``/diagnostics`` timer.
+  A model that cannot be loaded fails the transition (the node stays unconfigured; fix and retry).
+* ``on_activate``: enables the publishers and the request handling.
+* ``on_deactivate``: ends a running generation (``canceled``), refuses waiting observations, disables output.
+* ``on_cleanup`` / ``on_shutdown``: stop the engine thread and free the engine.
+
+Callbacks never touch the engine: they submit work to the engine thread and wait on its future
+(``request_timeout_s``) in a reentrant callback group, spun by a MultiThreadedExecutor.
+"""
+import queue
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Optional
+
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.action import ActionServer, CancelResponse
+from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.lifecycle import Node, State, TransitionCallbackReturn
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from std_srvs.srv import Trigger
+
+from flashrt_ros import ros_convert as conv
+from flashrt_ros.action import Generate
+from flashrt_ros.engine_worker import EngineWorker
+from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
+from flashrt_ros.params import NodeSettings, declare_parameters, read_settings
+from flashrt_ros.runtime import Engine, ErrorCode, FlashRTError
+from flashrt_ros.session import (CANCELED, PRIORITY_URGENT, ActionOutput, EventOutput, Session,
+                                 TokenOutput)
+from flashrt_ros.srv import DropCapsule, Fork, ListCapsules, Restore, Resume, Rollback, Snapshot
+
+EXECUTOR_THREADS = 8  # blocking service/action callbacks each hold one thread while the engine works
+
+# Events are an audit trail: keep them for late joiners (bag recorders) and never drop them.
+_EVENTS_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE,
+                         durability=DurabilityPolicy.TRANSIENT_LOCAL)
+
+
+class FlashRTNode(Node):
+    def __init__(self, node_name: str = "flashrt", **kwargs):
+        super().__init__(node_name, **kwargs)
+        declare_parameters(self)
+        self._group = ReentrantCallbackGroup()
+        self._settings: Optional[NodeSettings] = None
+        self._worker: Optional[EngineWorker] = None
+        self._active = False
+        self._last_error = ""
+        self._goal_feedback: dict[int, queue.SimpleQueue] = {}  # request id -> chunks for its action goal
+        self._observation_sub = None
+        self._diagnostics_timer = None
+
+        self._tokens_pub = self.create_lifecycle_publisher(TokenChunk, "~/tokens", 100)
+        self._action_pub = self.create_lifecycle_publisher(ActionChunk, "~/action", 10)
+        self._events_pub = self.create_lifecycle_publisher(StateEvent, "~/events", _EVENTS_QOS)
+        self._diagnostics_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+
+        services = [
+            (Snapshot, "snapshot", self._snapshot), (Restore, "restore", self._restore),
+            (Fork, "fork", self._fork), (Rollback, "rollback", self._rollback),
+            (ListCapsules, "list_capsules", self._list_capsules), (DropCapsule, "drop_capsule", self._drop),
+            (Resume, "resume", self._resume), (Trigger, "reset", self._reset),
+        ]
+        for srv_type, name, callback in services:
+            self.create_service(srv_type, f"~/{name}", callback, callback_group=self._group)
+        self._action_server = ActionServer(
+            self, Generate, "~/generate", execute_callback=self._execute_goal,
+            cancel_callback=lambda _: CancelResponse.ACCEPT,
+            callback_group=self._group)
+
+        if self.get_parameter("autostart").value:
+            if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
+                self.trigger_activate()
+
+    @property
+    def worker(self) -> Optional[EngineWorker]:
+        """The engine thread while configured (tools and tests submit work to it), else None."""
+        return self._worker
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def on_configure(self, state: State) -> TransitionCallbackReturn:
+        try:
+            settings = read_settings(self)
+            engine = Engine(settings.engine)
+            session = Session(engine, discretiser=settings.discretiser, default_sampling=settings.sampling,
+                              emit=self._emit, stream_chunk_tokens=settings.stream_chunk_tokens)
+        except Exception as e:  # noqa: BLE001 - any load failure leaves the node unconfigured, retryable
+            self._last_error = f"configure: {e}"
+            self.get_logger().error(f"configure failed: {e}")
+            return TransitionCallbackReturn.FAILURE
+        self._settings = settings
+        self._worker = EngineWorker(session)
+        self._observation_sub = self.create_subscription(
+            Observation, "~/observation", self._on_observation, settings.observation_qos,
+            callback_group=self._group)
+        self._diagnostics_timer = self.create_timer(settings.diagnostics_period_s, self._publish_diagnostics)
+        self.get_logger().info(
+            f"configured: model={settings.engine.model} device={settings.engine.device} "
+            f"dtype={settings.engine.dtype} max_context={settings.engine.max_context}")
+        return super().on_configure(state)
+
+    def on_activate(self, state: State) -> TransitionCallbackReturn:
+        result = super().on_activate(state)  # enables the lifecycle publishers first
+        self._active = True
+        return result
+
+    def on_deactivate(self, state: State) -> TransitionCallbackReturn:
+        self._active = False
+        try:
+            self._worker.halt(ErrorCode.NOT_ACTIVE, "node deactivated").result(self._settings.request_timeout_s)
+        except FutureTimeout:
+            self.get_logger().error("engine thread did not stop its generation in time")
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: State) -> TransitionCallbackReturn:
+        self._teardown()
+        return super().on_cleanup(state)
+
+    def on_shutdown(self, state: State) -> TransitionCallbackReturn:
+        self._active = False
+        self._teardown()
+        return super().on_shutdown(state)
+
+    def destroy_node(self):
+        self._active = False
+        self._teardown()
+        super().destroy_node()
+
+    def _teardown(self) -> None:
+        """Stop the engine thread and drop the engine (its memory goes with the last reference)."""
+        if self._observation_sub is not None:
+            self.destroy_subscription(self._observation_sub)
+            self._observation_sub = None
+        if self._diagnostics_timer is not None:
+            self.destroy_timer(self._diagnostics_timer)
+            self._diagnostics_timer = None
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
+    # ---- engine output (runs on the engine thread) -------------------------------------------
+    def _emit(self, out) -> None:
+        stamp = self.get_clock().now().to_msg()
+        if isinstance(out, TokenOutput):
+            msg = conv.token_chunk(out, stamp)
+            self._tokens_pub.publish(msg)
+            feedback = self._goal_feedback.get(out.request_id)
+            if feedback is not None:
+                feedback.put(msg)
+        elif isinstance(out, ActionOutput):
+            self._action_pub.publish(conv.action_chunk(out, stamp))
+        elif isinstance(out, EventOutput):
+            if not out.success:
+                self._last_error = f"{out.op}: {out.message}"
+            self._events_pub.publish(conv.state_event(out, stamp))
+
+    # ---- requests ---------------------------------------------------------------------------
+    def _call(self, fn: Callable[[Session], object], when_idle: bool = False):
+        """Run ``fn(session)`` on the engine thread; return ``(result, latency_ms)`` or raise FlashRTError.
+
+        ``latency_ms`` is the operation's own time at its token boundary (queueing excluded).
+        A request that times out before it started is withdrawn, so it never runs later.
+        """
+        worker = self._worker
+        if not self._active or worker is None:
+            raise FlashRTError(ErrorCode.NOT_ACTIVE, "node is not active")
+
+        def timed(session):
+            start = time.perf_counter()
+            result = fn(session)
+            return result, (time.perf_counter() - start) * 1e3
+
+        future = worker.submit(timed, when_idle=when_idle)
+        timeout = self._settings.request_timeout_s
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            fate = "withdrawn" if future.cancel() else "still running and may yet complete"
+            raise FlashRTError(ErrorCode.TIMEOUT, f"engine did not answer within {timeout} s; request {fate}")
+        except FlashRTError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise FlashRTError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}") from e
+
+    def _run(self, fn: Callable[[Session], object], response, fill: Callable[[object, object, float], None]):
+        """Answer a service: success/message/error_code, and ``fill(response, result, latency_ms)``."""
+        try:
+            result, latency_ms = self._call(fn)
+        except FlashRTError as e:
+            return _refuse(response, e.code, e.message)
+        response.success, response.message, response.error_code = True, "", int(ErrorCode.OK)
+        fill(response, result, latency_ms)
+        return response
+
+    def _snapshot(self, req, resp):
+        def fill(r, info, ms):
+            r.capsule, r.latency_ms = conv.capsule_msg(info), ms
+        return self._run(lambda s: s.snapshot(req.capsule_id, req.label), resp, fill)
+
+    def _restore(self, req, resp):
+        def fill(r, res, ms):
+            r.capsule, r.position, r.latency_ms = conv.capsule_msg(res[0]), res[1], ms
+        return self._run(lambda s: (s.restore(req.capsule_id, req.verify_checksum), s.engine.position), resp, fill)
+
+    def _fork(self, req, resp):
+        def fill(r, res, ms):
+            r.capsule, r.position, r.latency_ms = conv.capsule_msg(res[0]), res[1], ms
+        return self._run(lambda s: (s.fork(req.source_id, req.capsule_id, req.label, req.switch_to),
+                                    s.engine.position), resp, fill)
+
+    def _rollback(self, req, resp):
+        def fill(r, position, ms):
+            r.position, r.latency_ms = position, ms
+        return self._run(lambda s: s.rollback(req.capsule_id, req.steps), resp, fill)
+
+    def _list_capsules(self, req, resp):
+        def snapshot_of_store(s):
+            e = s.engine
+            return s.capsules(), e.capsule_bytes_used, e.capsule_budget_bytes, e.position, e.live_parent
+
+        def fill(r, res, ms):
+            capsules, r.used_bytes, r.budget_bytes, r.live_position, r.live_parent = res
+            r.capsules = [conv.capsule_msg(c) for c in capsules]
+        return self._run(snapshot_of_store, resp, fill)
+
+    def _drop(self, req, resp):
+        def fill(r, freed, ms):
+            r.freed_bytes = freed
+        return self._run(lambda s: s.drop(req.capsule_id), resp, fill)
+
+    def _resume(self, req, resp):
+        def resume(s):
+            gen = s.resume(req.capsule_id)
+            return gen.request_id, s.engine.position, gen.remaining
+
+        def fill(r, res, ms):
+            r.request_id, r.position, r.remaining_tokens = res
+        return self._run(resume, resp, fill)
+
+    def _reset(self, req, resp):
+        # std_srvs/Trigger has no error_code field: a refusal names its code in the message.
+        try:
+            self._call(lambda s: s.reset())
+        except FlashRTError as e:
+            resp.success, resp.message = False, f"{e.code.name}: {e.message}"
+            return resp
+        resp.success, resp.message = True, "context emptied; capsules kept"
+        return resp
+
+    # ---- observations -------------------------------------------------------------------------
+    def _on_observation(self, msg: Observation) -> None:
+        worker = self._worker
+        if not self._active or worker is None:
+            self.get_logger().warning("observation dropped: node is not active", throttle_duration_sec=5.0)
+            return
+        obs = conv.observation_in(msg)
+        future = worker.submit(lambda s: s.observe(obs), when_idle=obs.priority != PRIORITY_URGENT)
+        future.add_done_callback(self._log_refusal)
+
+    def _log_refusal(self, future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self.get_logger().warning(f"observation refused: {future.exception()}")
+
+    def _execute_goal(self, goal_handle):
+        goal = goal_handle.request
+        result = Generate.Result()
+        obs = conv.observation_in(goal.observation)
+        if obs.max_new_tokens == 0:
+            return _abort(goal_handle, result, ErrorCode.INVALID_ARGUMENT, "observation.max_new_tokens must be > 0")
+        sampling = conv.goal_sampling(goal)
+        seed = goal.seed if goal.reseed else None
+        feedback: queue.SimpleQueue = queue.SimpleQueue()
+
+        def start(session):
+            gen = session.observe(obs, sampling, seed)
+            self._goal_feedback[gen.request_id] = feedback  # before the first step, so no chunk is missed
+            return gen
+
+        try:
+            gen, _ = self._call(start, when_idle=obs.priority != PRIORITY_URGENT)
+        except FlashRTError as e:
+            return _abort(goal_handle, result, e.code, e.message)
+        try:
+            outcome = self._stream_feedback(goal_handle, gen, feedback)
+        finally:
+            self._goal_feedback.pop(gen.request_id, None)
+        result.token_ids, result.text = outcome.token_ids, outcome.text
+        result.finish_reason, result.position, result.ttft_ms = outcome.finish_reason, outcome.position, outcome.ttft_ms
+        result.success = outcome.error_code == ErrorCode.OK
+        result.error_code, result.message = int(outcome.error_code), outcome.message
+        if result.success:
+            goal_handle.succeed()
+        elif outcome.finish_reason == CANCELED and goal_handle.is_cancel_requested:
+            goal_handle.canceled()
+        else:
+            goal_handle.abort()
+        return result
+
+    def _stream_feedback(self, goal_handle, gen, feedback: queue.SimpleQueue):
+        """Relay the goal's chunks as feedback until it ends; forward a cancel request once."""
+        cancel_sent = False
+        while True:
+            try:
+                goal_handle.publish_feedback(Generate.Feedback(chunk=feedback.get(timeout=0.02)))
+                continue
+            except queue.Empty:
+                pass
+            if gen.outcome.done():
+                return gen.outcome.result()
+            if goal_handle.is_cancel_requested and not cancel_sent and self._worker is not None:
+                self._worker.cancel(gen.request_id)
+                cancel_sent = True
+
+    # ---- diagnostics ------------------------------------------------------------------------
+    def _publish_diagnostics(self) -> None:
+        worker = self._worker
+        if worker is not None:
+            future = worker.submit(lambda s: s.engine.stats())
+            future.add_done_callback(self._send_diagnostics)
+
+    def _send_diagnostics(self, future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        values = {**future.result(), "active": self._active, "last_error": self._last_error}
+        status = DiagnosticStatus(
+            level=DiagnosticStatus.OK if self._active else DiagnosticStatus.WARN,
+            name=f"{self.get_name()}: engine", hardware_id=self._settings.engine.device,
+            message="active" if self._active else "inactive",
+            values=[KeyValue(key=k, value=str(v)) for k, v in values.items()])
+        msg = DiagnosticArray(status=[status])
+        msg.header.stamp = self.get_clock().now().to_msg()
+        self._diagnostics_pub.publish(msg)
+
+
+def _refuse(response, code: ErrorCode, message: str):
+    response.success, response.error_code, response.message = False, int(code), message
+    return response
+
+
+def _abort(goal_handle, result, code: ErrorCode, message: str):
+    _refuse(result, code, message)
+    result.finish_reason = "error"
+    goal_handle.abort()
+    return result
+
+
+def main(args=None) -> None:
+    rclpy.init(args=args)
+    node = FlashRTNode()
+    executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS)
+    executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == "__main__":
+    main()

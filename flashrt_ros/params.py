@@ -1,0 +1,106 @@
+"""The node's ROS parameters: declarations (with descriptions and ranges) and reading them into settings.
+
+Parameters use dotted namespaces (``sampling.top_k``, ``discretiser.bins``, ``qos.observation.depth``),
+as llama_ros does, so a parameter file nests them. They are read in ``on_configure``: a change takes
+effect at the next configure (deactivate -> cleanup -> configure -> activate).
+"""
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+
+from flashrt_ros.discretiser import Discretiser
+from flashrt_ros.runtime import EngineConfig, SamplingParams
+
+_INT_MAX = 2**31 - 1
+
+# name, default, description, (low, high) range or None, allowed strings or None
+PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
+    ("autostart", True, "configure and activate at start (for a plain `ros2 run`)", None, None),
+    ("model", "tiny", "tiny | preset name (qwen3.5-0.8b, qwen3.6-27b, ...) | path to a local HF folder", None, None),
+    ("device", "cpu", "cpu | cuda | cuda:N", None, None),
+    ("dtype", "float32", "weights/activations dtype", None, ("float32", "bfloat16", "float16")),
+    ("max_context", 2048, "tokens in the live context; the arena is sized from it", (16, 1 << 20), None),
+    ("prefill_chunk", 64, "tokens per prefill chunk, a power of two (one graph bucket)", (1, 1 << 16), None),
+    ("cuda_graphs", True, "capture CUDA graphs for prefill/decode (ignored on cpu)", None, None),
+    ("capsule_budget_mb", 256, "memory all capsules together may use, MiB", (0, 1 << 22), None),
+    ("history_depth", 32, "commit boundaries kept for rollback(steps=k)", (1, 1 << 16), None),
+    ("seed", 0, "weights seed for presets and the sampler seed after reset", (0, 2**63 - 1), None),
+    ("sampling.temperature", 0.0, "default sampling temperature (0 = greedy)", (0.0, 100.0), None),
+    ("sampling.top_k", 0, "default top-k (0 = off)", (0, _INT_MAX), None),
+    ("sampling.top_p", 1.0, "default nucleus top-p in (0, 1] (1 = off)", (0.0, 1.0), None),
+    ("stream_chunk_tokens", 8, "tokens per TokenChunk on ~/tokens and per action feedback", (1, 4096), None),
+    ("discretiser.low", -1.0, "lowest continuous value (values below clip to the first bin)", None, None),
+    ("discretiser.high", 1.0, "highest continuous value (values above clip to the last bin)", None, None),
+    ("discretiser.bins", 255, "uniform bins between low and high", (1, 1 << 20), None),
+    ("discretiser.token_offset", 257, "token id of bin 0 (tiny: 0-255 bytes, 256 EOS)", (0, _INT_MAX), None),
+    ("discretiser.dims", 1, "values per action step", (1, 4096), None),
+    ("discretiser.horizon", 1, "action steps per ActionChunk", (1, 4096), None),
+    ("qos.observation.reliability", "reliable", "~/observation subscription reliability", None,
+     ("reliable", "best_effort")),
+    ("qos.observation.depth", 10, "~/observation subscription queue depth", (1, 10000), None),
+    ("qos.observation.durability", "volatile", "~/observation subscription durability", None,
+     ("volatile", "transient_local")),
+    ("request_timeout_s", 10.0, "how long a service waits for the engine thread (then TIMEOUT)", (0.01, 3600.0), None),
+    ("diagnostics_period_s", 1.0, "period of /diagnostics messages", (0.05, 3600.0), None),
+]
+
+
+def _descriptor(description: str, bounds: Optional[tuple], choices: Optional[tuple]) -> ParameterDescriptor:
+    desc = ParameterDescriptor(description=description)
+    if choices:
+        desc.additional_constraints = "one of: " + ", ".join(choices)
+    if bounds is not None:
+        low, high = bounds
+        if isinstance(low, int):
+            desc.integer_range = [IntegerRange(from_value=low, to_value=high, step=1)]
+        else:
+            desc.floating_point_range = [FloatingPointRange(from_value=low, to_value=high, step=0.0)]
+    return desc
+
+
+def declare_parameters(node) -> None:
+    """Declare every parameter of :data:`PARAMETERS` on ``node``."""
+    for name, default, description, bounds, choices in PARAMETERS:
+        node.declare_parameter(name, default, _descriptor(description, bounds, choices))
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    engine: EngineConfig
+    discretiser: Discretiser
+    sampling: SamplingParams
+    stream_chunk_tokens: int
+    observation_qos: QoSProfile
+    request_timeout_s: float
+    diagnostics_period_s: float
+
+
+def read_settings(node) -> NodeSettings:
+    """Read the declared parameters; raises ValueError for values the ranges cannot express."""
+    p = {name: node.get_parameter(name).value for name, *_ in PARAMETERS}
+    for name, _, _, _, choices in PARAMETERS:
+        if choices and p[name] not in choices:
+            raise ValueError(f"parameter {name}={p[name]!r} must be one of {', '.join(choices)}")
+    return NodeSettings(
+        engine=EngineConfig(
+            model=p["model"], device=p["device"], dtype=p["dtype"], max_context=p["max_context"],
+            prefill_chunk=p["prefill_chunk"], cuda_graphs=p["cuda_graphs"],
+            capsule_budget_bytes=p["capsule_budget_mb"] << 20, history_depth=p["history_depth"], seed=p["seed"]),
+        discretiser=Discretiser(
+            low=p["discretiser.low"], high=p["discretiser.high"], bins=p["discretiser.bins"],
+            token_offset=p["discretiser.token_offset"], dims=p["discretiser.dims"],
+            horizon=p["discretiser.horizon"]),
+        sampling=SamplingParams(temperature=p["sampling.temperature"], top_k=p["sampling.top_k"],
+                                top_p=p["sampling.top_p"]),
+        stream_chunk_tokens=p["stream_chunk_tokens"],
+        observation_qos=QoSProfile(
+            depth=p["qos.observation.depth"],
+            reliability=(ReliabilityPolicy.RELIABLE if p["qos.observation.reliability"] == "reliable"
+                         else ReliabilityPolicy.BEST_EFFORT),
+            durability=(DurabilityPolicy.VOLATILE if p["qos.observation.durability"] == "volatile"
+                        else DurabilityPolicy.TRANSIENT_LOCAL)),
+        request_timeout_s=p["request_timeout_s"],
+        diagnostics_period_s=p["diagnostics_period_s"],
+    )

@@ -1,0 +1,55 @@
+"""Start the flashrt node as a managed lifecycle node.
+
+    ros2 launch flashrt_ros flashrt.launch.py [params_file:=...] [namespace:=...] [node_name:=...]
+                                              [autostart:=true|false] [model:=...]
+
+Arguments:
+  params_file  parameters YAML (default: share/flashrt_ros/config/default.yaml; config/thor.yaml for
+               Jetson AGX Thor). Its top-level key must match the node (`flashrt:` or `/**:`).
+  namespace    ROS namespace of the node (default: none).
+  node_name    node name (default: flashrt); its services and topics live under ~/ of this name.
+  autostart    true: the node configures and activates itself; false: it stays unconfigured until a
+               lifecycle manager (or `ros2 lifecycle set`) drives it.
+  model        when non-empty, overrides the params file's `model` (tiny, a preset, or a local HF folder).
+"""
+from launch import LaunchDescription
+from launch.actions import DeclareLaunchArgument, OpaqueFunction
+from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
+from launch_ros.actions import LifecycleNode
+from launch_ros.parameter_descriptions import ParameterValue
+from launch_ros.substitutions import FindPackageShare
+
+
+def _flashrt_node(context):
+    """The node; an OpaqueFunction because `model` is passed only when it is non-empty."""
+    overrides = {"autostart": ParameterValue(LaunchConfiguration("autostart"), value_type=bool)}
+    model = LaunchConfiguration("model").perform(context)
+    if model:
+        overrides["model"] = model
+    return [LifecycleNode(
+        package="flashrt_ros",
+        executable="flashrt_node",
+        name=LaunchConfiguration("node_name"),
+        namespace=LaunchConfiguration("namespace"),
+        parameters=[LaunchConfiguration("params_file"), overrides],
+        output="screen",
+        emulate_tty=True,
+    )]
+
+
+def generate_launch_description():
+    return LaunchDescription([
+        DeclareLaunchArgument(
+            "params_file",
+            default_value=PathJoinSubstitution([FindPackageShare("flashrt_ros"), "config", "default.yaml"]),
+            description="parameters YAML for the node"),
+        DeclareLaunchArgument("namespace", default_value="", description="ROS namespace of the node"),
+        DeclareLaunchArgument("node_name", default_value="flashrt", description="name of the node"),
+        DeclareLaunchArgument(
+            "autostart", default_value="true", choices=["true", "false"],
+            description="configure and activate on start; false waits for a lifecycle manager"),
+        DeclareLaunchArgument(
+            "model", default_value="",
+            description="overrides the params file's model when non-empty (tiny, a preset, or an HF folder)"),
+        OpaqueFunction(function=_flashrt_node),
+    ])

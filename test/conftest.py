@@ -1,0 +1,140 @@
+"""Shared pytest setup: DDS stays on loopback, and fixtures to run a flashrt node in-process.
+
+The environment is fixed at import, before any test module imports rclpy: discovery limited to
+localhost, and a random ROS_DOMAIN_ID (unless one is set) so parallel runs do not see each other.
+"""
+import os
+import random
+
+os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+os.environ["ROS_LOCALHOST_ONLY"] = "1"
+os.environ.setdefault("ROS_DOMAIN_ID", str(random.randint(1, 100)))
+
+import threading  # noqa: E402
+import time  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+import pytest  # noqa: E402
+
+TINY_PARAMS = {"model": "tiny", "max_context": 512, "capsule_budget_mb": 16, "stream_chunk_tokens": 4,
+               "diagnostics_period_s": 0.2, "request_timeout_s": 10.0}
+
+
+def wait_for(predicate, timeout=10.0, what="condition"):
+    """Poll ``predicate`` until it is truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+class RosClient:
+    """A plain rclpy node (own executor thread) that calls a flashrt node's services, topics and action."""
+
+    def __init__(self, context, target: str):
+        from rclpy.executors import SingleThreadedExecutor
+        from rclpy.node import Node
+
+        self.node = Node(f"test_client_{os.getpid()}_{random.randint(0, 1 << 30)}", context=context)
+        self.target = target  # fully qualified name of the flashrt node, e.g. /t/flashrt
+        self._clients = {}
+        self._executor = SingleThreadedExecutor(context=context)
+        self._executor.add_node(self.node)
+        self._thread = threading.Thread(target=self._executor.spin, daemon=True)
+        self._thread.start()
+
+    def wait(self, future, timeout):
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        if not done.wait(timeout):
+            pytest.fail(f"no answer within {timeout} s")
+        return future.result()
+
+    def call(self, srv_type, name: str, timeout: float = 20.0, **fields):
+        """Call ``<target>/<name>`` (or an absolute ``name``) and return the response."""
+        path = name if name.startswith("/") else f"{self.target}/{name}"
+        client = self._clients.get(path)
+        if client is None:
+            client = self._clients[path] = self.node.create_client(srv_type, path)
+        assert client.wait_for_service(timeout_sec=10.0), f"service {path} not available"
+        return self.wait(client.call_async(srv_type.Request(**fields)), timeout)
+
+    def subscribe(self, msg_type, topic: str, qos=100) -> list:
+        """Collect every message on ``<target>/<topic>`` (or an absolute topic) into the returned list."""
+        path = topic if topic.startswith("/") else f"{self.target}/{topic}"
+        received = []
+        self.node.create_subscription(msg_type, path, received.append, qos)
+        return received
+
+    def publisher(self, msg_type, topic: str, qos=10):
+        path = topic if topic.startswith("/") else f"{self.target}/{topic}"
+        pub = self.node.create_publisher(msg_type, path, qos)
+        return pub
+
+    def action_client(self, action_type, name: str):
+        from rclpy.action import ActionClient
+
+        client = ActionClient(self.node, action_type, f"{self.target}/{name}")
+        assert client.wait_for_server(timeout_sec=10.0), f"action {name} not available"
+        return client
+
+    def send_goal(self, client, goal, feedback: list, timeout: float = 30.0):
+        """Send a goal; return its goal handle once accepted (feedback messages go into ``feedback``)."""
+        return self.wait(client.send_goal_async(goal, feedback_callback=feedback.append), timeout)
+
+    def result(self, goal_handle, timeout: float = 60.0):
+        return self.wait(goal_handle.get_result_async(), timeout)
+
+    def close(self):
+        self._executor.shutdown()
+        self.node.destroy_node()
+        self._thread.join(5.0)
+
+
+@pytest.fixture(scope="module")
+def ros_context():
+    import rclpy
+
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    yield context
+    rclpy.try_shutdown(context=context)
+
+
+@contextmanager
+def running_node(context, namespace: str, cli_args=None, **params):
+    """A FlashRTNode spun by a MultiThreadedExecutor in a thread, as ``main()`` would run it."""
+    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.parameter import Parameter
+
+    from flashrt_ros.node import EXECUTOR_THREADS, FlashRTNode
+
+    node = FlashRTNode(namespace=namespace, context=context, cli_args=cli_args,
+                       parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+    executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS, context=context)
+    executor.add_node(node)
+    thread = threading.Thread(target=executor.spin, daemon=True)
+    thread.start()
+    try:
+        yield node
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        thread.join(10.0)
+
+
+@pytest.fixture(scope="module")
+def node_and_client(ros_context, request):
+    """A tiny-model node (active) in its own namespace, and a client node aimed at it.
+
+    A test module may set ``NODE_PARAMS`` to override :data:`TINY_PARAMS`.
+    """
+    namespace = f"/t_{request.module.__name__.rsplit('.', 1)[-1]}"
+    params = {**TINY_PARAMS, **getattr(request.module, "NODE_PARAMS", {})}
+    with running_node(ros_context, namespace, **params) as node:
+        client = RosClient(ros_context, node.get_fully_qualified_name())
+        yield node, client
+        client.close()

@@ -1,0 +1,56 @@
+"""The demo and the ROS latency benchmark end to end: each starts its own node in a subprocess."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_module(*args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_demo_runs_and_its_checks_pass():
+    done = run_module("flashrt_ros.demo", "--max-context", "512")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    for check in ("restore -> same continuation", "rollback -> capsule position",
+                  "restore fork -> fork position", "resume -> same tokens as uninterrupted run",
+                  "node stopped cleanly"):
+        assert any(line.startswith(f"CHECK {check}: PASS") for line in lines), done.stdout
+    assert not any(": FAIL" in line for line in lines)
+    table = [line for line in lines if line.startswith("| ")]
+    ops = {line.split("|")[1].strip() for line in table}
+    assert {"snapshot", "restore", "fork", "rollback", "resume", "urgent observation -> tokens (4)"} <= ops
+
+
+def test_local_node_reports_a_node_that_cannot_start(tmp_path):
+    from flashrt_ros.client import ClientError
+    from flashrt_ros.demo import local_node
+
+    log = tmp_path / "node.log"
+    with pytest.raises(ClientError, match="node not ready after 8 s") as failure:
+        with local_node(log, timeout=8.0, model=str(tmp_path / "no_such_model")):
+            pass
+    assert "configure failed" in str(failure.value)  # the node's log comes with the error
+
+
+def test_bench_node_measures_every_row_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_module("flashrt_ros.bench_node", "--contexts", "16", "64", "--calls", "3", "--trials", "2",
+                      "--long-tokens", "48", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [(r["op"], r["round_trip"]["n"]) for r in results] == [
+        ("snapshot", 3), ("restore", 3), ("snapshot", 3), ("restore", 3),
+        ("urgent observation -> first token (generation running)", 2),
+        ("same observation -> first token (idle)", 2)]
+    assert [r["position"] for r in results[:4]] == [17, 17, 65, 65]  # the context asked for + 1 generated
+    assert all(0 < r["round_trip"]["p50_ms"] <= r["round_trip"]["p99_ms"] for r in results)
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(results)  # the header, then one row per result

@@ -1,0 +1,481 @@
+"""Capsules: byte-exact snapshot/restore, fork, rollback, budget, files, and refusals that change nothing."""
+import dataclasses
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
+from flashrt_ros.runtime.capsules import _HEADER
+from flashrt_ros.runtime.checksum import checksum
+
+CONFIG = EngineConfig(model="tiny", max_context=256, prefill_chunk=16, history_depth=8)
+PROMPT = list(b"capsules keep the whole state: ")          # 31 tokens: one full prefill chunk and a remainder
+
+
+def make_engine(**overrides) -> Engine:
+    return Engine(dataclasses.replace(CONFIG, **overrides))
+
+
+@pytest.fixture
+def engine() -> Engine:
+    eng = make_engine()
+    eng.ingest(PROMPT)
+    return eng
+
+
+def greedy(engine: Engine, n: int) -> list[int]:
+    return list(engine.generate(n, stop_token_ids=[]))
+
+
+def dirty(engine: Engine) -> None:
+    """Move the live state far from where it was: more context and generated tokens."""
+    engine.ingest(list(b"something else entirely"))
+    greedy(engine, 3)
+
+
+def corrupt(engine: Engine, capsule_id: str, index: int, mask: int = 0x01) -> None:
+    """Flip bits of one byte of a stored capsule in place (capsule tensors are inference tensors)."""
+    with torch.inference_mode():
+        engine.capsule_bytes(capsule_id)[index] ^= mask
+
+
+def assert_live_is(engine: Engine, capsule_id: str) -> None:
+    info = engine.capsule(capsule_id)
+    assert engine.position == info.position
+    assert torch.equal(engine.live_bytes(), engine.capsule_bytes(capsule_id))
+    assert engine.live_checksum() == info.checksum
+
+
+def rewrite_header(src: Path, dst: Path, **info) -> None:
+    """Copy a capsule file with fields of its header's info changed; payload and payload checksum stay intact."""
+    blob = src.read_bytes()
+    magic, version, length = _HEADER.unpack_from(blob)
+    header = json.loads(blob[_HEADER.size:_HEADER.size + length])
+    header["info"].update(info)
+    encoded = json.dumps(header).encode()
+    dst.write_bytes(_HEADER.pack(magic, version, len(encoded)) + encoded + blob[_HEADER.size + length:])
+
+
+# ---- refusals change nothing ------------------------------------------------------------------------------
+
+def observable_state(engine: Engine) -> dict:
+    """Everything a refused request must leave as it was: live bytes, position, lineage, every capsule."""
+    return {"live": engine.live_bytes().clone(), "position": engine.position, "parent": engine.live_parent,
+            "used": engine.capsule_bytes_used,
+            "capsules": {c.id: (c, engine.capsule_bytes(c.id).clone()) for c in engine.capsules()}}
+
+
+def assert_same_state(before: dict, after: dict) -> None:
+    assert torch.equal(after["live"], before["live"]), "live state bytes changed"
+    assert (after["position"], after["parent"], after["used"]) == (before["position"], before["parent"],
+                                                                   before["used"])
+    assert after["capsules"].keys() == before["capsules"].keys()
+    for capsule_id, (info, data) in before["capsules"].items():
+        assert after["capsules"][capsule_id][0] == info
+        assert torch.equal(after["capsules"][capsule_id][1], data), f"capsule {capsule_id} changed"
+
+
+@contextmanager
+def refused(engine: Engine, code: ErrorCode):
+    """Expect FlashRTError(code) with a message, and no change to the engine's state."""
+    before = observable_state(engine)
+    with pytest.raises(FlashRTError) as error:
+        yield error
+    assert error.value.code == code, error.value
+    assert error.value.message
+    assert_same_state(before, observable_state(engine))
+
+
+@pytest.fixture(scope="module")
+def foreign_capsule_file(tmp_path_factory):
+    """A valid capsule file of another model (same preset, other weights seed)."""
+    other = make_engine(seed=1)
+    other.ingest(PROMPT)
+    other.snapshot("foreign")
+    path = tmp_path_factory.mktemp("foreign") / "foreign.capsule"
+    other.export_capsule("foreign", path)
+    return path
+
+
+@pytest.fixture
+def lineage(engine, foreign_capsule_file, tmp_path):
+    """An engine whose live state descends from `later` <- `base`, with a sibling fork `side`, a corrupted capsule,
+    a capsule of another model, and capsule files: a good one, damaged ones (flipped byte, truncated, header only)
+    and ones whose header lies (empty id, wrong position) over an intact payload."""
+    engine.snapshot("base")
+    greedy(engine, 2)
+    engine.fork(capsule_id="corrupt")
+    corrupt(engine, "corrupt", 100, 0x10)
+    engine.snapshot("later")
+    engine.fork("base", "side")
+    greedy(engine, 2)
+    engine.import_capsule(foreign_capsule_file)
+    good = tmp_path / "base.capsule"
+    engine.export_capsule("base", good)
+    blob = good.read_bytes()
+    flipped = bytearray(blob)
+    flipped[-7] ^= 0x01
+    (tmp_path / "flipped.capsule").write_bytes(bytes(flipped))
+    (tmp_path / "truncated.capsule").write_bytes(blob[:-1])
+    (tmp_path / "header-only.capsule").write_bytes(blob[:20])
+    rewrite_header(good, tmp_path / "empty-id.capsule", id="")
+    position = engine.capsule("base").position
+    rewrite_header(good, tmp_path / "larger.capsule", id="larger", position=position + 9)
+    rewrite_header(good, tmp_path / "smaller.capsule", id="smaller", position=position - 9)
+    return engine, tmp_path
+
+
+REFUSALS = {
+    "snapshot-duplicate-id": (ErrorCode.DUPLICATE_CAPSULE_ID, lambda e, d: e.snapshot("base")),
+    "snapshot-id-with-space": (ErrorCode.INVALID_CAPSULE_ID, lambda e, d: e.snapshot("a b")),
+    "snapshot-id-with-slash": (ErrorCode.INVALID_CAPSULE_ID, lambda e, d: e.snapshot("../x")),
+    "snapshot-id-too-long": (ErrorCode.INVALID_CAPSULE_ID, lambda e, d: e.snapshot("x" * 65)),
+    "snapshot-id-non-ascii": (ErrorCode.INVALID_CAPSULE_ID, lambda e, d: e.snapshot("café")),
+    "restore-unknown": (ErrorCode.UNKNOWN_CAPSULE, lambda e, d: e.restore("nope")),
+    "restore-empty-id": (ErrorCode.INVALID_CAPSULE_ID, lambda e, d: e.restore("")),
+    "restore-corrupted-verified": (ErrorCode.CHECKSUM_MISMATCH,
+                                   lambda e, d: e.restore("corrupt", verify_checksum=True)),
+    "restore-foreign": (ErrorCode.FINGERPRINT_MISMATCH, lambda e, d: e.restore("foreign")),
+    "restore-foreign-kv-only": (ErrorCode.FINGERPRINT_MISMATCH, lambda e, d: e.restore("foreign", kv_only=True)),
+    "fork-unknown": (ErrorCode.UNKNOWN_CAPSULE, lambda e, d: e.fork("nope", "n1")),
+    "fork-duplicate-target": (ErrorCode.DUPLICATE_CAPSULE_ID, lambda e, d: e.fork("base", "side")),
+    "fork-live-duplicate-target": (ErrorCode.DUPLICATE_CAPSULE_ID, lambda e, d: e.fork(None, "later", switch=True)),
+    "fork-invalid-target": (ErrorCode.INVALID_CAPSULE_ID, lambda e, d: e.fork("base", "bad id", switch=True)),
+    "fork-foreign": (ErrorCode.FINGERPRINT_MISMATCH, lambda e, d: e.fork("foreign", "f2", switch=True)),
+    "rollback-neither": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.rollback()),
+    "rollback-both": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.rollback("base", steps=1)),
+    "rollback-zero-steps": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.rollback(steps=0)),
+    "rollback-negative-steps": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.rollback(steps=-2)),
+    "rollback-past-history": (ErrorCode.NO_HISTORY, lambda e, d: e.rollback(steps=CONFIG.history_depth)),
+    "rollback-to-sibling": (ErrorCode.NOT_IN_LINEAGE, lambda e, d: e.rollback("side")),
+    "rollback-to-unknown": (ErrorCode.UNKNOWN_CAPSULE, lambda e, d: e.rollback("nope")),
+    "rollback-to-foreign": (ErrorCode.FINGERPRINT_MISMATCH, lambda e, d: e.rollback("foreign")),
+    "drop-unknown": (ErrorCode.UNKNOWN_CAPSULE, lambda e, d: e.drop("nope")),
+    "ingest-over-context": (ErrorCode.CONTEXT_OVERFLOW, lambda e, d: e.ingest([1] * (CONFIG.max_context + 1))),
+    "ingest-just-over-context": (ErrorCode.CONTEXT_OVERFLOW,
+                                 lambda e, d: e.ingest([1] * (CONFIG.max_context - e.position + 1))),
+    "ingest-token-too-large": (ErrorCode.TOKEN_OUT_OF_RANGE, lambda e, d: e.ingest([1, 2, e.vocab_size])),
+    "ingest-negative-token": (ErrorCode.TOKEN_OUT_OF_RANGE, lambda e, d: e.ingest([-1])),
+    "ingest-non-integer-token": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.ingest([1, "x"])),
+    "generate-negative-count": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.generate(-1)),
+    "generate-bad-temperature": (ErrorCode.INVALID_ARGUMENT,
+                                 lambda e, d: e.generate(3, SamplingParams(temperature=-0.5))),
+    "generate-bad-top-p": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.generate(3, SamplingParams(1.0, 0, 0.0))),
+    "reseed-negative": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.reseed(-1)),
+    "export-to-missing-folder": (ErrorCode.INVALID_ARGUMENT,
+                                 lambda e, d: e.export_capsule("base", d / "missing" / "base.capsule")),
+    "export-unknown": (ErrorCode.UNKNOWN_CAPSULE, lambda e, d: e.export_capsule("nope", d / "nope.capsule")),
+    "import-duplicate-id": (ErrorCode.DUPLICATE_CAPSULE_ID, lambda e, d: e.import_capsule(d / "base.capsule")),
+    "import-flipped-byte": (ErrorCode.CHECKSUM_MISMATCH, lambda e, d: e.import_capsule(d / "flipped.capsule")),
+    "import-truncated": (ErrorCode.CHECKSUM_MISMATCH, lambda e, d: e.import_capsule(d / "truncated.capsule")),
+    "import-header-only": (ErrorCode.CHECKSUM_MISMATCH, lambda e, d: e.import_capsule(d / "header-only.capsule")),
+    "import-empty-id": (ErrorCode.INVALID_CAPSULE_ID, lambda e, d: e.import_capsule(d / "empty-id.capsule")),
+    "import-tampered-position-larger": (ErrorCode.CHECKSUM_MISMATCH,
+                                        lambda e, d: e.import_capsule(d / "larger.capsule")),
+    "import-tampered-position-smaller": (ErrorCode.CHECKSUM_MISMATCH,
+                                         lambda e, d: e.import_capsule(d / "smaller.capsule")),
+    "import-missing-file": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.import_capsule(d / "absent.capsule")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_refusal_changes_nothing(lineage, name):
+    engine, folder = lineage
+    code, call = REFUSALS[name]
+    files = sorted(folder.rglob("*"))
+    with refused(engine, code):
+        call(engine, folder)
+    assert sorted(folder.rglob("*")) == files, "a refused call left files behind"
+
+
+def test_the_refusal_fixture_is_otherwise_healthy(lineage):
+    """The table's engine is healthy: the same kinds of calls with valid arguments succeed, and a file whose
+    header is rewritten with only a fresh id imports (so the header rewrites above break only what they change)."""
+    engine, folder = lineage
+    rewrite_header(folder / "base.capsule", folder / "renamed.capsule", id="renamed")
+    assert engine.import_capsule(folder / "renamed.capsule").position == engine.capsule("base").position
+    engine.restore("renamed", verify_checksum=True)
+    engine.restore("later", verify_checksum=True)
+    engine.rollback("base")
+    engine.fork("base", "n1", switch=True)
+    engine.ingest([1, 2])
+    assert engine.rollback(steps=1) == engine.capsule("base").position
+
+
+# ---- snapshot / restore -----------------------------------------------------------------------------------
+
+def test_snapshot_dirty_restore_is_byte_exact_and_continues_identically(engine):
+    info = engine.snapshot("s", label="before")
+    assert (info.id, info.label, info.position, info.parent, info.tier) == ("s", "before", len(PROMPT), "", "host")
+    assert info.nbytes == engine.capsule_bytes("s").numel()
+    assert info.checksum == checksum(engine.capsule_bytes("s"))
+    assert_live_is(engine, "s")
+    assert engine.live_parent == "s"
+    continuation = greedy(engine, 8)
+    dirty(engine)
+    assert engine.live_checksum() != info.checksum
+    assert engine.restore("s", verify_checksum=True) == info
+    assert_live_is(engine, "s")
+    assert greedy(engine, 8) == continuation
+
+
+def test_snapshot_mid_generation_at_a_token_boundary(engine):
+    """The node snapshots between two generate() steps; the stream then carries on unchanged."""
+    engine.snapshot("start")
+    reference = greedy(engine, 10)
+    engine.restore("start")
+    stream = engine.generate(10, stop_token_ids=[])
+    head = [next(stream) for _ in range(4)]
+    engine.snapshot("mid")
+    assert head + list(stream) == reference
+    engine.restore("mid")
+    assert engine.position == len(PROMPT) + 4
+    assert greedy(engine, 6) == reference[4:]
+
+
+def test_generated_ids_and_capsule_order(engine):
+    first, second = engine.snapshot(), engine.snapshot(label="two")
+    assert (first.id, second.id) == ("c0001", "c0002")
+    assert second.parent == first.id
+    engine.snapshot("named")
+    assert [c.id for c in engine.capsules()] == ["c0001", "c0002", "named"]
+    assert engine.capsule("c0002").label == "two"
+
+
+def test_reset_keeps_capsules(engine):
+    engine.snapshot("s")
+    continuation = greedy(engine, 5)
+    engine.reset()
+    assert (engine.position, engine.live_parent) == (0, "")
+    engine.restore("s")
+    assert greedy(engine, 5) == continuation
+
+
+def test_kv_only_restore_diverges_from_the_true_continuation(engine):
+    """The ablation restores KV and position but keeps the dirty recurrent/conv state: the hybrid model notices."""
+    engine.snapshot("s")
+    true_logits = engine.next_token_logits()
+    continuation = greedy(engine, 8)
+    dirty(engine)
+    engine.restore("s", kv_only=True)
+    assert engine.position == len(PROMPT)
+    assert not torch.equal(engine.live_bytes(), engine.capsule_bytes("s"))
+    assert (engine.next_token_logits() - true_logits).norm() > 1e-3 * true_logits.norm()
+    assert greedy(engine, 8) != continuation
+    engine.restore("s")
+    assert greedy(engine, 8) == continuation
+
+
+# ---- fork ---------------------------------------------------------------------------------------------------
+
+def test_forks_of_one_capsule_continue_identically_and_independently(engine):
+    engine.snapshot("root")
+    a, b = engine.fork("root", "a"), engine.fork("root", "b", label="second")
+    assert (a.parent, b.parent, b.label, a.position) == ("root", "root", "second", len(PROMPT))
+    assert a.checksum == engine.capsule("root").checksum
+    engine.restore("a")
+    from_a = greedy(engine, 8)
+    engine.ingest(list(b"branch a goes on"))
+    engine.restore("b")
+    assert engine.live_parent == "b"
+    assert greedy(engine, 8) == from_a
+    corrupt(engine, "a", 0, 0xFF)                             # a fork owns its bytes
+    engine.restore("root", verify_checksum=True)
+    engine.restore("b", verify_checksum=True)
+
+
+def test_fork_of_live_and_switch(engine):
+    engine.snapshot("root")
+    greedy(engine, 2)
+    side = engine.fork(capsule_id="side")
+    assert side.parent == "root" and engine.live_parent == "root"
+    assert_live_is(engine, "side")
+    switched = engine.fork("root", "again", switch=True)
+    assert engine.live_parent == "again"
+    assert engine.position == switched.position == len(PROMPT)
+    assert_live_is(engine, "root")
+
+
+# ---- rollback -----------------------------------------------------------------------------------------------
+
+def test_rollback_by_steps_walks_back_commit_boundaries(engine):
+    engine.snapshot("s")
+    tokens = greedy(engine, 5)
+    assert engine.rollback(steps=5) == len(PROMPT)
+    assert_live_is(engine, "s")
+    assert greedy(engine, 5) == tokens
+    assert engine.rollback(steps=2) == len(PROMPT) + 3
+    assert greedy(engine, 2) == tokens[3:]
+
+
+def test_rollback_by_steps_counts_ingests_as_one_boundary(engine):
+    engine.snapshot("s")
+    engine.ingest(list(b"one ingest, many tokens"))
+    assert engine.rollback(steps=1) == len(PROMPT)
+    assert_live_is(engine, "s")
+
+
+def test_rollback_history_is_bounded_by_history_depth(engine):
+    """Step past the ring of kept boundaries (it wraps), snapshotting each token: every kept boundary is exact."""
+    depth = CONFIG.history_depth
+    stream = engine.generate(depth + 3, stop_token_ids=[])
+    for index, _ in enumerate(stream):
+        engine.snapshot(f"t{index}")
+    with refused(engine, ErrorCode.NO_HISTORY):
+        engine.rollback(steps=depth)
+    last = depth + 2
+    for steps in (2, depth - 3):                    # two back, then on to the oldest boundary kept
+        engine.rollback(steps=steps)
+        last -= steps
+        assert_live_is(engine, f"t{last}")
+        assert engine.live_parent == f"t{last}"
+
+
+def test_restore_starts_a_new_history(engine):
+    engine.snapshot("s")
+    greedy(engine, 3)
+    engine.restore("s")
+    with refused(engine, ErrorCode.NO_HISTORY):
+        engine.rollback(steps=1)
+
+
+def test_rollback_by_steps_back_to_the_restore_point(engine):
+    """The boundary a restore starts from is backed by the capsule itself."""
+    engine.snapshot("s")
+    tokens = greedy(engine, 4)
+    dirty(engine)
+    engine.restore("s")
+    greedy(engine, 3)
+    assert engine.rollback(steps=3) == len(PROMPT)
+    assert_live_is(engine, "s")
+    assert greedy(engine, 4) == tokens
+
+
+def test_rollback_to_an_ancestor_capsule(engine):
+    engine.snapshot("a")
+    tokens = greedy(engine, 3)
+    engine.snapshot("b")
+    greedy(engine, 3)
+    assert engine.rollback("a") == len(PROMPT)
+    assert engine.live_parent == "a"
+    assert_live_is(engine, "a")
+    assert greedy(engine, 3) == tokens
+    with refused(engine, ErrorCode.NOT_IN_LINEAGE):       # b descends from a, it is not an ancestor of the live state
+        engine.rollback("b")
+
+
+def test_dropping_an_intermediate_capsule_keeps_the_lineage(engine):
+    """live <- b <- a: with b dropped, the live state still descends from a."""
+    engine.snapshot("a")
+    greedy(engine, 2)
+    engine.snapshot("b")
+    greedy(engine, 2)
+    engine.drop("b")
+    assert engine.rollback("a") == len(PROMPT)
+    assert_live_is(engine, "a")
+
+
+def test_rollback_by_steps_moves_the_lineage_back(engine):
+    engine.snapshot("a")
+    greedy(engine, 1)
+    engine.snapshot("b")
+    greedy(engine, 1)
+    engine.rollback(steps=2)
+    assert engine.live_parent == "a"
+    assert_live_is(engine, "a")
+
+
+# ---- budget and drop ----------------------------------------------------------------------------------------
+
+def test_budget_refuses_what_does_not_fit_and_drop_frees_it(engine, tmp_path):
+    size = engine.snapshot("probe").nbytes
+    tight = make_engine(capsule_budget_bytes=2 * size + size // 2)
+    tight.ingest(PROMPT)
+    tight.snapshot("a")
+    tight.fork("a", "b")
+    assert tight.capsule_bytes_used == 2 * size
+    with refused(tight, ErrorCode.BUDGET_EXCEEDED):
+        tight.snapshot("c")
+    with refused(tight, ErrorCode.BUDGET_EXCEEDED):
+        tight.fork("a", "c")
+    with refused(tight, ErrorCode.BUDGET_EXCEEDED):
+        tight.fork(None, "c")
+    assert tight.drop("a") == size
+    assert tight.capsule_bytes_used == size
+    with refused(tight, ErrorCode.UNKNOWN_CAPSULE):
+        tight.restore("a")
+    assert tight.snapshot("c").nbytes == size
+    engine.export_capsule("probe", tmp_path / "probe.capsule")
+    with refused(tight, ErrorCode.BUDGET_EXCEEDED):
+        tight.import_capsule(tmp_path / "probe.capsule")
+    assert tight.stats()["capsule_count"] == 2
+
+
+def test_stats_report_capsule_use_and_speed(engine):
+    engine.snapshot("s")
+    greedy(engine, 3)
+    stats = engine.stats()
+    assert (stats["capsule_count"], stats["capsule_bytes"]) == (1, engine.capsule("s").nbytes)
+    assert stats["arena_bytes"] == engine.arena_bytes
+    assert stats["ttft_ms"] > 0 and stats["decode_tokens_per_s"] > 0
+
+
+def test_capsules_grow_with_the_context(engine):
+    short = engine.snapshot("short")
+    greedy(engine, 4)
+    longer = engine.snapshot("longer")
+    assert longer.nbytes > short.nbytes
+
+
+# ---- files --------------------------------------------------------------------------------------------------
+
+def test_export_import_round_trip_into_the_same_and_a_fresh_engine(engine, tmp_path):
+    info = engine.snapshot("s", label="to disk")
+    continuation = greedy(engine, 6)
+    path = tmp_path / "s.capsule"
+    engine.export_capsule("s", path)
+    assert [p.name for p in tmp_path.iterdir()] == ["s.capsule"], "no temporary files left behind"
+    original = engine.capsule_bytes("s").clone()
+    engine.drop("s")
+    assert engine.import_capsule(path) == info
+    assert torch.equal(engine.capsule_bytes("s"), original)
+    fresh = make_engine()
+    assert fresh.import_capsule(path) == info
+    for eng in (engine, fresh):
+        eng.restore("s", verify_checksum=True)
+        assert greedy(eng, 6) == continuation
+
+
+def test_capsule_without_stored_checksum_still_round_trips_through_a_file(tmp_path):
+    engine = make_engine(checksum_on_snapshot=False)
+    engine.ingest(PROMPT)
+    assert engine.snapshot("s").checksum == ""
+    with refused(engine, ErrorCode.INVALID_ARGUMENT):
+        engine.restore("s", verify_checksum=True)
+    engine.export_capsule("s", tmp_path / "s.capsule")
+    engine.drop("s")
+    imported = engine.import_capsule(tmp_path / "s.capsule")
+    assert imported.checksum == engine.live_checksum()
+
+
+def test_corrupted_capsule_in_memory_is_caught_when_verified(engine):
+    engine.snapshot("s")
+    corrupt(engine, "s", engine.capsule("s").nbytes // 2)
+    with refused(engine, ErrorCode.CHECKSUM_MISMATCH):
+        engine.restore("s", verify_checksum=True)
+
+
+@pytest.mark.parametrize("other", [dict(seed=1), dict(max_context=128), dict(prefill_chunk=32)],
+                         ids=["other-weights", "other-max-context", "other-prefill-chunk"])
+def test_capsule_of_another_engine_is_refused_on_restore(engine, tmp_path, other):
+    foreign = make_engine(**other)
+    foreign.ingest(PROMPT)
+    foreign.snapshot("f")
+    foreign.export_capsule("f", tmp_path / "f.capsule")
+    assert foreign.fingerprint != engine.fingerprint
+    engine.import_capsule(tmp_path / "f.capsule")
+    with refused(engine, ErrorCode.FINGERPRINT_MISMATCH):
+        engine.restore("f")

@@ -1,0 +1,246 @@
+"""Session (the node's ROS-free core) on a real tiny Engine: outputs, events, preemption, validation."""
+import pytest
+
+from flashrt_ros.discretiser import Discretiser
+from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
+from flashrt_ros.session import (PRIORITY_URGENT, ActionOutput, EventOutput, ObservationInput, Session,
+                                 TokenOutput)
+
+MAX_CONTEXT = 256
+SAMPLED = SamplingParams(temperature=1.0)  # seeded sampling: varied tokens, reproducible from the arena RNG
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(EngineConfig(model="tiny", max_context=MAX_CONTEXT, capsule_budget_bytes=512 << 10))
+
+
+@pytest.fixture
+def outputs():
+    return []
+
+
+def make_session(engine, outputs, discretiser=None, chunk=4):
+    engine.reset()
+    for info in engine.capsules():
+        engine.drop(info.id)
+    return Session(engine, discretiser=discretiser or Discretiser(bins=255, token_offset=257),
+                   default_sampling=SAMPLED, emit=outputs.append, stream_chunk_tokens=chunk)
+
+
+@pytest.fixture
+def session(engine, outputs):
+    return make_session(engine, outputs)
+
+
+def of(outputs, kind):
+    return [o for o in outputs if isinstance(o, kind)]
+
+
+def run(gen):
+    while gen.step():
+        pass
+    return gen.outcome.result()
+
+
+def state(engine):
+    """Everything a refused request must leave unchanged."""
+    return engine.live_checksum(), engine.position, [(c.id, c.checksum) for c in engine.capsules()]
+
+
+def test_observation_tokens_are_ids_then_text_then_values(engine, session, outputs):
+    obs = ObservationInput(token_ids=[1, 2, 3], text="go", values=[-1.0, 0.0, 1.0])
+    assert session.observe(obs) is None  # max_new_tokens == 0: ingest only
+    observed = engine.live_checksum()
+    expected = [1, 2, 3] + engine.tokenizer.encode("go") + session.discretiser.encode([-1.0, 0.0, 1.0])
+    engine.reset()
+    engine.ingest(expected)
+    assert engine.live_checksum() == observed
+    (event,) = of(outputs, EventOutput)
+    assert (event.op, event.success, event.position_before, event.position_after) == ("observe", True, 0, len(expected))
+
+
+def test_generation_streams_chunks_and_a_final_result(engine, session, outputs):
+    gen = session.observe(ObservationInput(text="hello", max_new_tokens=10, stamp_ns=42))
+    assert session.active is gen
+    result = run(gen)
+    assert session.active is None
+    chunks = of(outputs, TokenOutput)
+    assert [len(c.token_ids) for c in chunks] == [4, 4, 2]
+    assert [c.final for c in chunks] == [False, False, True]
+    assert chunks[-1].finish_reason == "length" == result.finish_reason
+    assert [t for c in chunks for t in c.token_ids] == result.token_ids
+    assert [c.position for c in chunks] == [9, 13, 15] and result.position == engine.position == 15
+    assert all(c.request_id == gen.request_id and c.observation_stamp_ns == 42 for c in chunks)
+    assert result.text == engine.tokenizer.decode(result.token_ids)
+    assert result.error_code == ErrorCode.OK and result.ttft_ms > 0
+
+
+def test_generation_ends_when_the_context_is_full(engine, session):
+    session.observe(ObservationInput(token_ids=[7] * (MAX_CONTEXT - 3)))
+    result = run(session.observe(ObservationInput(max_new_tokens=10)))  # continue without new input
+    assert result.finish_reason == "context_full"
+    assert len(result.token_ids) == 3 and engine.position == MAX_CONTEXT
+
+
+def test_action_is_decoded_once_the_request_finishes(engine, outputs):
+    d = Discretiser(low=0.0, high=1.0, bins=engine.vocab_size, token_offset=0, dims=2, horizon=3)
+    session = make_session(engine, outputs, discretiser=d)
+    result = run(session.observe(ObservationInput(text="act", max_new_tokens=8, stamp_ns=7)))
+    (action,) = of(outputs, ActionOutput)
+    assert outputs[-1] is action  # after the final TokenOutput
+    assert action.token_ids == result.token_ids[:6]
+    assert action.values == d.decode(result.token_ids[:6])
+    assert (action.horizon, action.dims, action.observation_stamp_ns) == (3, 2, 7)
+
+    outputs.clear()
+    run(session.observe(ObservationInput(text="act", max_new_tokens=5)))  # 5 < 2 x 3 values
+    assert not of(outputs, ActionOutput)
+
+
+def test_preempted_then_resumed_stream_equals_an_uninterrupted_run(engine, session, outputs):
+    obs = ObservationInput(text="Count the cups.", max_new_tokens=12)
+    whole = run(session.observe(obs)).token_ids
+    assert len(set(whole)) > 3  # a varied stream, so a wrong continuation cannot match by accident
+
+    engine.reset()
+    outputs.clear()
+    first = session.observe(obs)
+    for _ in range(5):
+        first.step()
+    urgent = session.observe(ObservationInput(text="Stop!", max_new_tokens=3, priority=PRIORITY_URGENT))
+    interrupted = first.outcome.result()
+    assert interrupted.finish_reason == "preempted" and interrupted.error_code == ErrorCode.PREEMPTED
+    assert len(interrupted.token_ids) == 5
+    capsule_id = f"interrupted-{first.request_id}"
+    assert session.interrupted() == {capsule_id: 7}
+    run(urgent)
+
+    resumed_gen = session.resume()
+    assert resumed_gen.request_id not in (first.request_id, urgent.request_id)
+    assert resumed_gen.remaining == 7
+    resumed = run(resumed_gen)
+    assert interrupted.token_ids + resumed.token_ids == whole
+    assert session.interrupted() == {}
+
+    ops = [(e.op, e.capsule_id, e.success) for e in of(outputs, EventOutput)]
+    assert ops == [("observe", "", True), ("preempt", capsule_id, True), ("observe", "", True),
+                   ("resume", capsule_id, True)]
+    with pytest.raises(FlashRTError) as err:
+        session.resume()  # a resume consumes its record
+    assert err.value.code == ErrorCode.NOTHING_TO_RESUME
+
+
+def test_resumed_request_completes_the_action_started_before_preemption(engine, outputs):
+    d = Discretiser(low=0.0, high=1.0, bins=engine.vocab_size, token_offset=0, dims=3, horizon=2)
+    session = make_session(engine, outputs, discretiser=d)
+    first = session.observe(ObservationInput(text="act", max_new_tokens=6))
+    for _ in range(4):
+        first.step()
+    assert session.observe(ObservationInput(text="!", priority=PRIORITY_URGENT)) is None  # ingest-only preempts too
+    before = first.outcome.result().token_ids
+    assert not of(outputs, ActionOutput)  # a preempted request owes its action
+    resumed = run(session.resume())
+    (action,) = of(outputs, ActionOutput)
+    assert action.request_id == resumed.request_id
+    assert action.token_ids == before + resumed.token_ids
+
+
+def test_snapshot_between_steps_keeps_the_stream_token_identical(engine, session, outputs):
+    obs = ObservationInput(text="hello", max_new_tokens=8)
+    whole = run(session.observe(obs)).token_ids
+    engine.reset()
+    gen = session.observe(obs)
+    for _ in range(3):
+        gen.step()
+    snap = session.snapshot("mid", "between two tokens")
+    assert snap.position == engine.position
+    assert run(gen).token_ids == whole
+    assert engine.capsule("mid").position == snap.position
+
+
+def test_restore_during_a_generation_cancels_it(engine, session):
+    session.observe(ObservationInput(text="base"))
+    session.snapshot("base")
+    gen = session.observe(ObservationInput(text="more", max_new_tokens=20))
+    gen.step()
+    session.restore("base")
+    result = gen.outcome.result()
+    assert result.finish_reason == "canceled" and result.error_code == ErrorCode.CANCELED
+    assert session.active is None and engine.position == engine.capsule("base").position
+
+
+def test_each_state_operation_emits_exactly_one_event(engine, session, outputs):
+    session.observe(ObservationInput(text="abc"))
+    session.snapshot("a", "first")
+    session.observe(ObservationInput(text="def"))
+    session.fork("a", "b", "copy", switch=True)
+    session.rollback(capsule_id="a")
+    session.observe(ObservationInput(text="gh"))
+    session.rollback(steps=1)
+    session.drop("b")
+    session.reset()
+    events = of(outputs, EventOutput)
+    assert [e.op for e in events] == ["observe", "snapshot", "observe", "fork", "rollback", "observe",
+                                      "rollback", "drop", "reset"]
+    assert [e.seq for e in events] == list(range(1, 10))
+    assert all(e.success and e.error_code == 0 for e in events)
+    fork, rollback_to, rollback_steps = events[3], events[4], events[6]
+    assert (fork.capsule_id, fork.source_id, fork.switch_to) == ("b", "a", True)
+    assert (rollback_to.source_id, rollback_to.steps, rollback_to.position_after) == ("a", 0, 3)
+    assert (rollback_steps.steps, rollback_steps.position_before, rollback_steps.position_after) == (1, 5, 3)
+    assert events[-1].position_after == 0
+
+
+def test_snapshot_without_id_gets_one_and_observation_label_takes_a_capsule(engine, session, outputs):
+    session.observe(ObservationInput(text="abc", snapshot_label="after abc"))
+    (info,) = engine.capsules()
+    assert info.label == "after abc" and info.position == 3
+    assert [(e.op, e.capsule_id) for e in of(outputs, EventOutput)] == [("observe", ""), ("snapshot", info.id)]
+
+
+REFUSALS = [
+    ("restore unknown", lambda s: s.restore("nope"), ErrorCode.UNKNOWN_CAPSULE),
+    ("restore malformed", lambda s: s.restore("../etc"), ErrorCode.INVALID_CAPSULE_ID),
+    ("snapshot duplicate", lambda s: s.snapshot("base"), ErrorCode.DUPLICATE_CAPSULE_ID),
+    ("snapshot malformed", lambda s: s.snapshot("a b"), ErrorCode.INVALID_CAPSULE_ID),
+    ("fork unknown source", lambda s: s.fork("nope", "x"), ErrorCode.UNKNOWN_CAPSULE),
+    ("rollback both", lambda s: s.rollback("base", 1), ErrorCode.INVALID_ARGUMENT),
+    ("rollback neither", lambda s: s.rollback(), ErrorCode.INVALID_ARGUMENT),
+    ("rollback too far", lambda s: s.rollback(steps=1000), ErrorCode.NO_HISTORY),
+    ("drop unknown", lambda s: s.drop("nope"), ErrorCode.UNKNOWN_CAPSULE),
+    ("resume nothing", lambda s: s.resume(), ErrorCode.NOTHING_TO_RESUME),
+    ("resume plain capsule", lambda s: s.resume("base"), ErrorCode.NOTHING_TO_RESUME),
+    ("token out of range", lambda s: s.observe(ObservationInput(token_ids=[1, 9999])), ErrorCode.TOKEN_OUT_OF_RANGE),
+    ("context overflow", lambda s: s.observe(ObservationInput(token_ids=[1] * MAX_CONTEXT)),
+     ErrorCode.CONTEXT_OVERFLOW),
+    ("empty observation", lambda s: s.observe(ObservationInput()), ErrorCode.INVALID_ARGUMENT),
+    ("bad sampling", lambda s: s.observe(ObservationInput(text="x", max_new_tokens=2),
+                                         SamplingParams(top_p=0.0)), ErrorCode.INVALID_ARGUMENT),
+    ("nan value", lambda s: s.observe(ObservationInput(values=[float("nan")])), ErrorCode.INVALID_ARGUMENT),
+    ("capsule over budget", lambda s: s.observe(ObservationInput(token_ids=[1] * 200, snapshot_label="big")),
+     ErrorCode.BUDGET_EXCEEDED),
+]
+
+
+@pytest.mark.parametrize("name,request_fn,code", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_refused_request_changes_nothing_and_reports_one_event(engine, outputs, name, request_fn, code):
+    session = make_session(engine, outputs)
+    session.observe(ObservationInput(text="the base"))
+    session.snapshot("base")
+    if code == ErrorCode.BUDGET_EXCEEDED:
+        for i in range(100):  # fill the budget until a 200-token capsule cannot fit
+            try:
+                session.snapshot(f"fill{i}")
+            except FlashRTError:
+                break
+    gen = session.observe(ObservationInput(text="!", max_new_tokens=50))
+    gen.step()
+    before, seq = state(engine), len(of(outputs, EventOutput))
+    with pytest.raises(FlashRTError) as err:
+        request_fn(session)
+    assert err.value.code == code
+    assert state(engine) == before
+    assert session.active is gen and not gen.finished  # not even the running generation noticed
+    (event,) = of(outputs, EventOutput)[seq:]
+    assert not event.success and event.error_code == code and event.message
