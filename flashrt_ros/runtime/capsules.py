@@ -52,6 +52,7 @@ class CapsuleStore:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self._capsules: dict[str, Capsule] = {}
+        self._parents: dict[str, str] = {}   # kept after a drop, so lineage runs through dropped capsules
         self._counter = 0
 
     @property
@@ -90,6 +91,7 @@ class CapsuleStore:
     def add(self, capsule: Capsule) -> None:
         self.check_room(capsule.info.nbytes)
         self._capsules[capsule.info.id] = capsule
+        self._parents[capsule.info.id] = capsule.info.parent
 
     def drop(self, capsule_id: str) -> int:
         capsule = self.get(capsule_id)
@@ -100,17 +102,21 @@ class CapsuleStore:
         return [c.info for c in self._capsules.values()]
 
     def ancestors(self, capsule_id: str) -> list[str]:
-        """capsule_id, its parent, grandparent, ... as far as they are still stored."""
-        chain = []
-        while capsule_id in self._capsules and capsule_id not in chain:
-            chain.append(capsule_id)
-            capsule_id = self._capsules[capsule_id].info.parent
+        """capsule_id, its parent, grandparent, ... that are still stored (dropped ones are passed through)."""
+        chain, seen = [], set()
+        while capsule_id and capsule_id not in seen:
+            seen.add(capsule_id)
+            if capsule_id in self._capsules:
+                chain.append(capsule_id)
+            capsule_id = self._parents.get(capsule_id, "")
         return chain
 
 
 def write_capsule_file(capsule: Capsule, path: Path) -> None:
     """Atomic: written to a temporary file in the same folder, then renamed over ``path``."""
     path = Path(path)
+    if not path.parent.is_dir():
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"cannot write {path}: folder {path.parent} does not exist")
     info = capsule.info if capsule.info.checksum else dataclasses.replace(capsule.info, checksum=checksum(capsule.data))
     header = json.dumps({"info": dataclasses.asdict(info), "fingerprint": capsule.fingerprint}).encode()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

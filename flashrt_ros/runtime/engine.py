@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import operator
 import time
 from collections import deque
 from pathlib import Path
@@ -228,7 +229,10 @@ class Engine:
 
     # ---- stream ------------------------------------------------------------------------------------------
     def _check_tokens(self, token_ids: Iterable[int]) -> list[int]:
-        ids = [int(t) for t in token_ids]
+        try:
+            ids = [operator.index(t) for t in token_ids]
+        except TypeError:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "token ids must be integers") from None
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise FlashRTError(ErrorCode.TOKEN_OUT_OF_RANGE,
