@@ -416,6 +416,10 @@ class Engine:
                                  if self.store.get(a).info.position <= position), "")
         return position
 
+    def check_capsule_room(self, position: int | None = None) -> None:
+        """Raise BUDGET_EXCEEDED if a capsule of the live state (at ``position``, default: now) would not fit."""
+        self.store.check_room(self.arena.live_nbytes(self.position if position is None else position))
+
     def drop(self, capsule_id: str) -> int:
         return self.store.drop(capsule_id)
 
