@@ -180,7 +180,7 @@ def test_readme_commands_are_console_scripts():
         pytest.skip("README.md not written yet")
     text = readme.read_text()
     scripts, executables = set(console_scripts()), {e.split("=")[0] for e in cmake_list("FLASHRT_EXECUTABLES")}
-    commands = set(re.findall(r"^\s*(?:\$\s*)?(?:[A-Z_]+=\S+\s+)*(flashrt[-_][\w-]+)", text, re.M))
+    commands = set(re.findall(r"^\s*(?:\$\s*)?(?:[A-Z_]+=\S+\s+)*(flashrt[-_][\w-]+)(?=\s|$)", text, re.M))
     assert commands, "README shows no flashrt command"
     assert sorted(commands - scripts) == []
     assert sorted(set(re.findall(r"ros2 run flashrt_ros ([\w-]+)", text)) - executables) == []
