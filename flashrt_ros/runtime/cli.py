@@ -22,14 +22,14 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--no-fla", action="store_true", help="use the reference delta-rule kernel on CUDA")
     parser.add_argument("--capsule-budget-mb", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0, help="weights seed for presets")
+    parser.add_argument("--weights-seed", type=int, default=0, help="weights seed for presets")
 
 
 def _config(args, max_context: int, chunk: int, budget_mb: int, checksum: bool = True) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         max_context=args.max_context or max_context, prefill_chunk=args.prefill_chunk or chunk,
                         cuda_graphs=not args.no_cuda_graphs, use_fla=not args.no_fla,
-                        capsule_budget_bytes=(args.capsule_budget_mb or budget_mb) << 20, seed=args.seed,
+                        capsule_budget_bytes=(args.capsule_budget_mb or budget_mb) << 20, seed=args.weights_seed,
                         checksum_on_snapshot=checksum)
 
 
@@ -37,8 +37,8 @@ def cmd_generate(args) -> dict:
     engine = Engine(_config(args, 4096, 64, 256))
     prompt = ([int(t) for t in args.prompt_ids.split(",") if t.strip()] if args.prompt_ids is not None
               else engine.tokenizer.encode(args.prompt))
-    if args.seed_sampler is not None:
-        engine.reseed(args.seed_sampler)
+    if args.seed is not None:
+        engine.reseed(args.seed)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     started = time.perf_counter()
     engine.ingest(prompt)
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed-sampler", type=int, default=None, help="sampler RNG seed")
+    gen.add_argument("--seed", type=int, default=None, help="sampler RNG seed (default: the weights seed)")
     gen.set_defaults(func=cmd_generate)
     ver = sub.add_parser("verify", help="byte-exact restore and token-identical continuation checks")
     _engine_args(ver)
