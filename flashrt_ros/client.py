@@ -253,7 +253,13 @@ class FlashRTClient:
 
     def observe(self, text: str = "", max_new_tokens: int = 16, priority: int = 0,
                 timeout: float | None = None, **fields) -> Stream:
-        """Publish an observation that generates (``max_new_tokens`` > 0) and collect its tokens."""
+        """Publish an observation that generates (``max_new_tokens`` > 0) and collect its tokens.
+
+        A refused observation (too long for the context, a token id out of range, bad values, ...)
+        returns at once: its stream is one empty final chunk with ``finish_reason == "error"``. The
+        error code and message are on the failed ``observe`` StateEvent on ``~/events`` (subscribe to
+        it, or use the ``~/generate`` action, whose result carries them).
+        """
         if max_new_tokens <= 0:
             raise ValueError("observe() collects tokens: max_new_tokens must be > 0")
         stamp = self.publish(self.observation(text, max_new_tokens=max_new_tokens,

@@ -322,9 +322,12 @@ class FlashRTNode(Node):
 
     # ---- diagnostics ------------------------------------------------------------------------
     def _publish_diagnostics(self) -> None:
+        """Engine figures (:meth:`Engine.stats`: position, ttft_ms, decode_tokens_per_s, arena/capsule
+        bytes, kernel, ...), the engine ``fingerprint`` (the bag tools read it here instead of building
+        a second engine), ``active`` and ``last_error``; published while configured."""
         worker = self._worker
         if worker is not None:
-            future = worker.submit(lambda s: s.engine.stats())
+            future = worker.submit(lambda s: {**s.engine.stats(), "fingerprint": s.engine.fingerprint})
             future.add_done_callback(self._send_diagnostics)
 
     def _send_diagnostics(self, future) -> None:
@@ -333,12 +336,18 @@ class FlashRTNode(Node):
         values = {**future.result(), "active": self._active, "last_error": self._last_error}
         status = DiagnosticStatus(
             level=DiagnosticStatus.OK if self._active else DiagnosticStatus.WARN,
-            name=f"{self.get_name()}: engine", hardware_id=self._settings.engine.device,
+            name=diagnostics_name(self.get_fully_qualified_name()), hardware_id=self._settings.engine.device,
             message="active" if self._active else "inactive",
             values=[KeyValue(key=k, value=str(v)) for k, v in values.items()])
         msg = DiagnosticArray(status=[status])
         msg.header.stamp = self.get_clock().now().to_msg()
         self._diagnostics_pub.publish(msg)
+
+
+def diagnostics_name(node_fqn: str) -> str:
+    """The /diagnostics status name of the node ``node_fqn`` (fully qualified, so two nodes of the
+    same name in different namespaces stay apart)."""
+    return f"{node_fqn}: engine"
 
 
 def _refuse(response, code: ErrorCode, message: str):

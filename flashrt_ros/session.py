@@ -17,6 +17,10 @@ Rules the node relies on (each is tested in test/test_session.py):
 * **Validation first.** Every request is validated (ids, sampling, context room, capsule existence)
   before anything changes; a refused request raises :class:`FlashRTError` and leaves the live state,
   every capsule and any running generation untouched.
+* **A refused generation still ends.** An observation with ``max_new_tokens > 0`` that is refused
+  emits, right after its failed 'observe' event, one final empty :class:`TokenOutput` with finish
+  reason ``error``, a new request id and the observation's stamp, so whoever waits for that
+  request's tokens is answered; the event carries the error code and message.
 * **One event per operation.** ``observe``, ``snapshot``, ``restore``, ``fork``, ``rollback``,
   ``drop``, ``reset``, ``preempt`` and ``resume`` each emit exactly one :class:`EventOutput`, on
   success and on failure. (An observation with ``snapshot_label`` is two operations: observe, then
@@ -293,7 +297,7 @@ class Session:
                                    f"{len(ids)} tokens at position {self.engine.position} exceed "
                                    f"max_context {self.engine.max_context}")
             if obs.snapshot_label:  # refuse now rather than ingest and then fail to take the capsule
-                self.engine.store.check_room(self.engine.arena.live_nbytes(self.engine.position + len(ids)))
+                self.engine.check_capsule_room(self.engine.position + len(ids))
             if self._active is not None:
                 self._active.stop(PREEMPTED)
             if ids:
@@ -302,7 +306,12 @@ class Session:
                 self.engine.reseed(seed)
             return params
 
-        params = self._operation("observe", run, {})
+        try:
+            params = self._operation("observe", run, {})
+        except FlashRTError:
+            if obs.max_new_tokens > 0:
+                self._refuse_generation(obs.stamp_ns)
+            raise
         if obs.snapshot_label:
             self.snapshot(label=obs.snapshot_label)
         if obs.max_new_tokens == 0:
@@ -319,6 +328,13 @@ class Session:
         if obs.text:
             ids += self.engine.tokenizer.encode(obs.text)
         return ids + self.discretiser.encode(obs.values)
+
+    def _refuse_generation(self, stamp_ns: int) -> None:
+        """End a refused observation's request at once: one final, empty ``error`` chunk under a new
+        request id, so a client waiting on ~/tokens for this stamp is answered (the 'observe' event
+        just before it carries the error code and message)."""
+        self._request_id += 1
+        self._emit(TokenOutput(self._request_id, [], "", self.engine.position, True, ERROR, stamp_ns))
 
     def _start(self, max_new_tokens: int, sampling: SamplingParams, stamp_ns: int, prior_ids=()) -> Generation:
         self._request_id += 1

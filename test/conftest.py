@@ -1,14 +1,22 @@
-"""Shared pytest setup: DDS stays on loopback, and fixtures to run a flashrt node in-process.
+"""Shared pytest setup: DDS stays on loopback, one compute thread, and fixtures to run a flashrt node
+in-process.
 
-The environment is fixed at import, before any test module imports rclpy: discovery limited to
-localhost, and a random ROS_DOMAIN_ID (unless one is set) so parallel runs do not see each other.
+The environment is fixed at import, before any test module imports rclpy or torch (node subprocesses
+that tests start inherit it): discovery limited to localhost, a random ROS_DOMAIN_ID (unless one is
+set) so parallel runs do not see each other, and OMP_NUM_THREADS=1. The tiny model gains nothing from
+intra-op threads, while every engine (the test process's and each node subprocess's) spinning a
+thread per core on a 2-core CI machine makes decode steps orders of magnitude slower.
 """
 import os
 import random
+import sys
 
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 os.environ["ROS_LOCALHOST_ONLY"] = "1"
 os.environ.setdefault("ROS_DOMAIN_ID", str(random.randint(1, 100)))
+os.environ["OMP_NUM_THREADS"] = "1"
+if "torch" in sys.modules:  # imported by a plugin before this file: the variable came too late for it
+    sys.modules["torch"].set_num_threads(1)
 
 import threading  # noqa: E402
 import time  # noqa: E402

@@ -3,8 +3,9 @@ and live, and check that the replay tells a faithful recording from a tampered, 
 
 The recorded session covers observations with generation, a snapshot taken with an observation's
 ``snapshot_label``, an explicit snapshot, a rollback, a fork that becomes live, an observation with
-continuous values (an action chunk), an urgent observation interrupting a generation and the resume
-of the interrupted stream, a refused restore and a reset. Its operations run while no generation is
+continuous values (an action chunk), a refused observation that asked for tokens (its stream ends
+with an ``error`` chunk), an urgent observation interrupting a generation and the resume of the
+interrupted stream, a refused restore and a reset. Its operations run while no generation is
 running (the interrupt arrives before the first token of the interrupted request), so a live replay
 can reproduce it exactly. A second recording places a snapshot and a rollback mid-generation,
 which offline replay reproduces at the same token boundary.
@@ -29,6 +30,7 @@ from flashrt_ros.bag.script import build_script
 from flashrt_ros.bag.typestore import typestore
 from flashrt_ros.client import FlashRTClient
 from flashrt_ros.msg import Observation
+from flashrt_ros.runtime import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 URGENT = Observation.PRIORITY_URGENT
@@ -76,6 +78,8 @@ def session(client: FlashRTClient) -> None:
     assert client.rollback(capsule_id=cup).success
     assert client.fork(cup, capsule_id="alt", switch_to=True).success
     client.observe(max_new_tokens=4, values=[0.25, -0.5])
+    refused = client.observe(token_ids=[100_000], max_new_tokens=3)  # out of the vocabulary
+    assert (refused.finish_reason, refused.token_ids) == ("error", [])
     # Both urgent: queued in order, the second arrives while the first is still being ingested and
     # preempts it before its first token (a point a live replay reproduces exactly).
     long = client.publish(client.observation(LONG_TASK, max_new_tokens=10, priority=URGENT))
@@ -113,8 +117,10 @@ def test_recorded_bag_holds_the_session_and_its_header(session_bag):
     assert header.parameters["model"] == "tiny" and header.parameters["stream_chunk_tokens"] == 4
     ops = [r.msg.op for r in records if r.topic == "events"]
     assert ops == ["observe", "snapshot", "snapshot", "observe", "rollback", "fork", "observe", "observe",
-                   "preempt", "observe", "resume", "restore", "reset"]
-    assert sum(r.topic == "observation" for r in records) == 5
+                   "observe", "preempt", "observe", "resume", "restore", "reset"]
+    assert sum(r.topic == "observation" for r in records) == 6
+    errors = [r.msg for r in records if r.topic == "tokens" and r.msg.finish_reason == "error"]
+    assert len(errors) == 1 and errors[0].final and len(errors[0].token_ids) == 0
     interrupt = [call for call in build_script(records) if call.op == "observe"][-1]
     assert interrupt.tokens_into_request == 0  # it preempted the long request before its first token
     assert any(r.topic == "action" for r in records)
@@ -186,7 +192,7 @@ def test_another_model_is_refused_unless_allowed(session_bag, tmp_path, capsys):
 
 
 def test_a_ros2_bag_record_bag_is_adopted_with_the_header_of_the_node(session_bag, ros_context, tmp_path,
-                                                                     capsys):
+                                                                     capsys, monkeypatch):
     """`ros2 bag record` writes the topics (among others) but no header: `adopt` reads it from the node."""
     header, records = read_bag(session_bag)
     plain = tmp_path / "ros2_bag"
@@ -199,11 +205,29 @@ def test_a_ros2_bag_record_bag_is_adopted_with_the_header_of_the_node(session_ba
         for r in records:
             writer.write(connections[r.topic], r.stamp, typestore().serialize_cdr(r.msg, TOPICS[r.topic]))
     adopted = tmp_path / "adopted"
-    with running_node(ros_context, "/t_bag_rec", **TINY_PARAMS):
-        assert main(["adopt", str(plain), "--node", header.node, "-o", str(adopted)]) == 0
+    with running_node(ros_context, "/t_bag_rec", **TINY_PARAMS) as node:
+        live_fingerprint = node.worker.submit(lambda s: s.engine.fingerprint).result(10)
+        with monkeypatch.context() as patch:  # the header comes from the node: no second engine is built
+            patch.setattr(Engine, "__init__", refuse_to_build_an_engine)
+            assert main(["adopt", str(plain), "--node", header.node, "-o", str(adopted)]) == 0
     assert f"wrote {len(records)} messages" in capsys.readouterr().out
-    assert read_bag(adopted)[0] == header
+    assert read_bag(adopted)[0] == header and header.fingerprint == live_fingerprint
     assert replay(adopted, "--offline") == 0
+
+
+def refuse_to_build_an_engine(*args, **kwargs):
+    raise AssertionError("the bag tools built an Engine")
+
+
+def test_recording_a_node_without_an_engine_fails_clearly(ros_context, tmp_path, capsys, monkeypatch):
+    """An unconfigured node has no engine, hence no fingerprint on /diagnostics: exit 2, no bag."""
+    monkeypatch.setattr(Engine, "__init__", refuse_to_build_an_engine)
+    with running_node(ros_context, "/t_bag_idle", **{**TINY_PARAMS, "autostart": False}):
+        code = main(["record", "--node", "/t_bag_idle/flashrt", "-o", str(tmp_path / "bag"), "--timeout", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "no /diagnostics status '/t_bag_idle/flashrt: engine' with a fingerprint within 3 s" in err
+    assert "configured" in err and not (tmp_path / "bag").exists()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garble", "no_metadata"])

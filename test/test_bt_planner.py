@@ -67,7 +67,10 @@ def test_a_failing_branch_is_skipped(client, start):
 
 
 def test_when_every_branch_fails_the_tree_fails_cleanly(client, start):
-    with pytest.raises(PlanningError, match="no branch finished") as failure:
+    # The reason names the behaviour that failed the plan, although composites reset their children's
+    # status once they finished (a reason read from the statuses after the tick is lost); the
+    # recovery's restore and drops succeeded, so no cleanup failure is reported.
+    with pytest.raises(PlanningError, match=r"^planning failed \(select best: no branch finished\)$") as failure:
         run_planner(client, [OVERFLOW, OVERFLOW + "more"], max_new_tokens=6)
     assert all(f"error_code {ErrorCode.CONTEXT_OVERFLOW}" in b.error for b in failure.value.branches)
     listing = client.list()

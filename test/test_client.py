@@ -1,5 +1,9 @@
 """FlashRTClient against a real flashrt node (tiny model) in a subprocess, over loopback DDS."""
+import time
+from pathlib import Path
+
 import pytest
+import torch
 from rclpy.node import Node
 
 from flashrt_ros.client import ClientError, FlashRTClient
@@ -10,11 +14,16 @@ MAX_CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def node(tmp_path_factory):
+    """``(client, process)`` of a node started in a subprocess."""
     log = tmp_path_factory.mktemp("client") / "node.log"
-    with local_node(log, model="tiny", max_context=MAX_CONTEXT, autostart=True,
-                    stream_chunk_tokens=2) as (client, _):
-        yield client
+    with local_node(log, model="tiny", max_context=MAX_CONTEXT, autostart=True, stream_chunk_tokens=2) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(node):
+    return node[0]
 
 
 @pytest.fixture
@@ -69,6 +78,27 @@ def test_generate_reports_refusals_with_an_error_code(fresh):
     result = fresh.generate("word " * (2 * MAX_CONTEXT), 4)
     assert not result.success and result.error_code == ErrorCode.CONTEXT_OVERFLOW
     assert fresh.list().live_position == 0
+
+
+def test_a_refused_observation_ends_its_stream_at_once_with_an_error(fresh):
+    fresh.observe("The robot sees a cup.", 2)
+    position = fresh.list().live_position
+    start = time.monotonic()
+    refused = fresh.observe("word " * (2 * MAX_CONTEXT), 4, timeout=20.0)  # does not fit the context
+    assert time.monotonic() - start < 10.0  # answered, not timed out
+    assert refused.final and refused.finish_reason == "error" and refused.token_ids == []
+    assert refused.position == position == fresh.list().live_position  # nothing was ingested
+    assert fresh.observe(" Next", 2).request_id == refused.request_id + 1
+
+
+def test_node_subprocesses_compute_on_one_thread(node):
+    """conftest sets OMP_NUM_THREADS=1 for the test process and the node processes it starts."""
+    environ = Path(f"/proc/{node[1].pid}/environ")
+    if not environ.exists():
+        pytest.skip("needs Linux /proc to read the node's environment")
+    variables = dict(v.split("=", 1) for v in environ.read_bytes().decode().split("\0") if "=" in v)
+    assert variables.get("OMP_NUM_THREADS") == "1"
+    assert torch.get_num_threads() == 1
 
 
 def test_resumed_stream_is_found_by_its_request_id(fresh):

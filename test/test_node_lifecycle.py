@@ -40,12 +40,14 @@ def test_diagnostics_report_engine_figures(node_and_client):
 
     def ours():
         return [{kv.key: kv.value for kv in s.values} for a in arrays for s in a.status
-                if s.name == f"{node.get_name()}: engine" and any(kv.value == "1" for kv in s.values
-                                                                  if kv.key == "capsule_count")]
+                if s.name == f"{node.get_fully_qualified_name()}: engine"
+                and any(kv.value == "1" for kv in s.values if kv.key == "capsule_count")]
     values = wait_for(ours, what="a diagnostics message after the snapshot")[-1]
     for key in ("ttft_ms", "decode_tokens_per_s", "arena_bytes", "capsule_bytes", "position", "last_error"):
         assert key in values
     assert int(values["arena_bytes"]) > 0 and int(values["capsule_bytes"]) > 0 and values["active"] == "True"
+    engine = node.worker.submit(lambda s: (s.engine.fingerprint, s.engine.kernel_name)).result(10)
+    assert (values["fingerprint"], values["kernel"]) == engine  # what the bag tools read instead of loading the model
 
 
 def test_deactivate_refuses_requests_and_reconfigure_starts_clean(node_and_client):
@@ -108,7 +110,7 @@ def flat_keys(tree, prefix=""):
 
 @pytest.mark.parametrize("name", ["default.yaml", "thor.yaml"])
 def test_parameter_files_set_only_declared_parameters(name):
-    params = dict(flat_keys(yaml.safe_load((CONFIG / name).read_text())["flashrt"]["ros__parameters"]))
+    params = dict(flat_keys(yaml.safe_load((CONFIG / name).read_text())["/**"]["ros__parameters"]))
     declared = {p[0]: type(p[1]) for p in PARAMETERS}
     assert set(params) == set(declared)  # no typo is silently ignored, nothing left implicit
     assert all(type(v) is declared[k] for k, v in params.items())
@@ -116,10 +118,13 @@ def test_parameter_files_set_only_declared_parameters(name):
 
 @pytest.mark.parametrize("name", ["default.yaml", "thor.yaml"])
 def test_parameter_file_reaches_the_node(ros_context, name):
-    """The file is loaded by rcl (--params-file) into a node named flashrt; the engine is not built here."""
-    params = dict(flat_keys(yaml.safe_load((CONFIG / name).read_text())["flashrt"]["ros__parameters"]))
-    with running_node(ros_context, "/", cli_args=["--ros-args", "--params-file", str(CONFIG / name)],
+    """The file is loaded by rcl (--params-file) into a node renamed as `ros2 launch ... node_name:=arm_llm`
+    renames it; the engine is not built here."""
+    params = dict(flat_keys(yaml.safe_load((CONFIG / name).read_text())["/**"]["ros__parameters"]))
+    remap = ["-r", "__node:=arm_llm"]
+    with running_node(ros_context, "/", cli_args=["--ros-args", *remap, "--params-file", str(CONFIG / name)],
                       autostart=False) as node:
+        assert node.get_name() == "arm_llm"
         for key, value in params.items():
             if key != "autostart":
                 assert node.get_parameter(key).value == value, key

@@ -10,12 +10,11 @@ from flashrt_ros.runtime.cli import main
 def run(capsys, *argv):
     code = main(list(argv))
     captured = capsys.readouterr()
-    run.stderr = captured.err
-    return code, json.loads(captured.out)
+    return code, json.loads(captured.out), captured.err
 
 
 def test_generate_matches_the_engine_and_reports_timings(capsys):
-    code, out = run(capsys, "generate", "--model", "tiny", "--prompt", "pick up the cup", "--max-new-tokens", "6")
+    code, out, _ = run(capsys, "generate", "--model", "tiny", "--prompt", "pick up the cup", "--max-new-tokens", "6")
     assert code == 0
     engine = Engine(EngineConfig(max_context=4096))
     engine.ingest(engine.tokenizer.encode("pick up the cup"))
@@ -26,11 +25,11 @@ def test_generate_matches_the_engine_and_reports_timings(capsys):
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(capsys):
     args = ("generate", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "12", "--temperature", "1.0")
-    _, first = run(capsys, *args, "--seed", "7")
-    _, again = run(capsys, *args, "--seed", "7")
-    _, other = run(capsys, *args, "--seed", "8")
-    assert first["tokens"] == again["tokens"]
-    assert first["tokens"] != other["tokens"]
+    first = run(capsys, *args, "--seed", "7")
+    again = run(capsys, *args, "--seed", "7")
+    other = run(capsys, *args, "--seed", "8")
+    assert first[1]["tokens"] == again[1]["tokens"]
+    assert first[1]["tokens"] != other[1]["tokens"]
 
 
 @pytest.mark.parametrize("argv, error", [
@@ -39,13 +38,13 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(capsys):
     (("generate", "--model", "/nonexistent/model", "--prompt", "x"), "LOAD_FAILED"),
 ])
 def test_bad_requests_exit_2_with_a_json_error(capsys, argv, error):
-    code, out = run(capsys, *argv)
+    code, out, _ = run(capsys, *argv)
     assert code == 2
     assert out["error"] == error and out["message"]
 
 
 def test_verify_reports_the_papers_checks(capsys):
-    code, out = run(capsys, "verify", "--prefix-len", "64", "--suffix-len", "8", "--gen", "12", "--kv-only")
+    code, out, _ = run(capsys, "verify", "--prefix-len", "64", "--suffix-len", "8", "--gen", "12", "--kv-only")
     assert code == 0
     assert out["byte_exact"] and out["token_identical"] and out["a_eq_c"] and out["d1_eq_d2"]
     assert out["kv_only_first_divergence"] is not None
@@ -55,7 +54,7 @@ def test_verify_reports_the_papers_checks(capsys):
 
 def test_bench_writes_rows_with_consistent_ratios(capsys, tmp_path):
     target = tmp_path / "bench.json"
-    code, out = run(capsys, "bench", "--contexts", "128", "--repeats", "3", "--decode-tokens", "4",
+    code, out, table = run(capsys, "bench", "--contexts", "128", "--repeats", "3", "--decode-tokens", "4",
                     "--out", str(target))
     assert code == 0
     assert json.loads(target.read_text()) == out
@@ -64,4 +63,4 @@ def test_bench_writes_rows_with_consistent_ratios(capsys, tmp_path):
     assert row["capsule_bytes"] == engine.arena.live_nbytes(128)
     assert row["restore_over_floor"] == pytest.approx(row["restore_p50_ms"] / row["copy_floor_p50_ms"])
     assert row["ttft_speedup"] == pytest.approx(row["cold_ttft_ms"] / row["capsule_ttft_ms"])
-    assert run.stderr.startswith("| context |")       # the markdown table
+    assert table.startswith("| context |")

@@ -199,6 +199,35 @@ def test_snapshot_without_id_gets_one_and_observation_label_takes_a_capsule(engi
     assert [(e.op, e.capsule_id) for e in of(outputs, EventOutput)] == [("observe", ""), ("snapshot", info.id)]
 
 
+def test_observation_label_asks_the_engine_for_room_at_the_position_after_ingestion(engine, session, monkeypatch):
+    """The capsule-room check goes through the engine's public API, for the position the capsule will have."""
+    asked = []
+    check = engine.check_capsule_room
+    monkeypatch.setattr(engine, "check_capsule_room", lambda position=None: (asked.append(position), check(position)))
+    session.observe(ObservationInput(text="ab"))
+    session.observe(ObservationInput(text="cde", snapshot_label="labelled"))
+    assert asked == [5] and engine.capsules()[0].position == 5
+
+
+def test_a_refused_generation_ends_with_one_error_chunk_after_its_event(engine, outputs):
+    session = make_session(engine, outputs)
+    session.observe(ObservationInput(text="base"))
+    running = session.observe(ObservationInput(text="!", max_new_tokens=20))
+    running.step()
+    outputs.clear()
+    with pytest.raises(FlashRTError):
+        session.observe(ObservationInput(token_ids=[engine.vocab_size], max_new_tokens=4, stamp_ns=77))
+    event, chunk = outputs
+    assert isinstance(event, EventOutput) and not event.success and event.error_code == ErrorCode.TOKEN_OUT_OF_RANGE
+    assert chunk == TokenOutput(running.request_id + 1, [], "", engine.position, True, "error", 77)
+    assert session.active is running and not running.finished
+    with pytest.raises(FlashRTError):  # nothing to generate: nobody waits, so no chunk
+        session.observe(ObservationInput(token_ids=[-1], stamp_ns=78))
+    assert len(outputs) == 3 and isinstance(outputs[2], EventOutput)
+    running.stop("canceled")
+    assert session.observe(ObservationInput(text="?", max_new_tokens=1)).request_id == running.request_id + 2
+
+
 REFUSALS = [
     ("restore unknown", lambda s: s.restore("nope"), ErrorCode.UNKNOWN_CAPSULE),
     ("restore malformed", lambda s: s.restore("../etc"), ErrorCode.INVALID_CAPSULE_ID),

@@ -1,14 +1,16 @@
 """``flashrt_bag``: record a flashrt node's session into a bag and replay it as a regression test.
 
-    flashrt_bag record [--node /flashrt] [-o BAG] [--storage mcap|sqlite3] [--duration S]
-    flashrt_bag adopt ROS2_BAG [--node /flashrt] -o BAG [--storage mcap|sqlite3]
+    flashrt_bag record [--node /flashrt] [-o BAG] [--storage mcap|sqlite3] [--duration S] [--timeout S]
+    flashrt_bag adopt ROS2_BAG [--node /flashrt] -o BAG [--storage mcap|sqlite3] [--timeout S]
     flashrt_bag replay BAG (--offline | --live [--node NAME]) [--tolerance X]
                        [--allow-model-change] [-o OUT_BAG]
 
 Exit codes of ``replay``: 0 every output identical, 1 diverged (the report names the first
 divergent message per topic), 2 bad input (missing/corrupt bag, unusable bag, other model refused,
 node unreachable, interrupted). ``record`` exits 0 after a clean stop (Ctrl-C once recording, or
-``--duration``) and ``adopt`` after writing the bag; both exit 2 otherwise.
+``--duration``) and ``adopt`` after writing the bag; both exit 2 otherwise, e.g. when the node
+publishes no engine fingerprint on ``/diagnostics`` within ``--timeout`` (it is not configured).
+The bag tools never load the model to learn the fingerprint: the node reports it.
 
 DDS stays on loopback unless the caller's environment says otherwise
 (``ROS_AUTOMATIC_DISCOVERY_RANGE``/``ROS_LOCALHOST_ONLY`` default to local); set ``ROS_DOMAIN_ID``
@@ -35,12 +37,16 @@ def _parser() -> argparse.ArgumentParser:
     rec.add_argument("-o", "--output", type=Path, help="bag directory to create (default: flashrt_<time>)")
     rec.add_argument("--storage", choices=sorted(STORAGES), default="mcap")
     rec.add_argument("--duration", type=float, help="stop after this many seconds (default: Ctrl-C)")
+    rec.add_argument("--timeout", type=float, default=30.0,
+                     help="seconds to wait for the node's parameters, /diagnostics and topics")
     adopt = sub.add_parser("adopt", help="give a `ros2 bag record` bag of the node's topics the header "
                                          "read from the running node (writes a new session bag)")
     adopt.add_argument("source", type=Path, help="bag directory written by `ros2 bag record`")
     adopt.add_argument("--node", default="/flashrt", help="the recorded node, still running")
     adopt.add_argument("-o", "--output", type=Path, required=True, help="session bag directory to create")
     adopt.add_argument("--storage", choices=sorted(STORAGES), default="mcap")
+    adopt.add_argument("--timeout", type=float, default=30.0,
+                       help="seconds to wait for the node's parameters and /diagnostics")
     rep = sub.add_parser("replay", help="replay a session bag and compare the outputs")
     rep.add_argument("bag", type=Path)
     mode = rep.add_mutually_exclusive_group(required=True)
@@ -87,14 +93,14 @@ def replay(args) -> int:
 def record(args) -> int:
     from flashrt_ros.bag.live import record_node
     output = args.output or Path(time.strftime("flashrt_%Y%m%d-%H%M%S"))
-    count = record_node(args.node, output, args.storage, args.duration)
+    count = record_node(args.node, output, args.storage, args.duration, args.timeout)
     print(f"recorded {count} messages into {output}")
     return 0
 
 
 def adopt(args) -> int:
     from flashrt_ros.bag.live import adopt_recording
-    count = adopt_recording(args.source, args.node, args.output, args.storage)
+    count = adopt_recording(args.source, args.node, args.output, args.storage, args.timeout)
     print(f"wrote {count} messages with {args.node}'s header into {args.output}")
     return 0
 

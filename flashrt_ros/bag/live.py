@@ -64,12 +64,16 @@ def _spinning_node(name: str):
             spinner.join()
 
 
-def record_node(target: str, output: Path, storage: str = "mcap", duration: float | None = None) -> int:
-    """Record ``target``'s session until ``duration`` seconds passed or Ctrl-C; returns the count."""
+def record_node(target: str, output: Path, storage: str = "mcap", duration: float | None = None,
+                timeout: float = 30.0) -> int:
+    """Record ``target``'s session until ``duration`` seconds passed or Ctrl-C; returns the count.
+
+    ``timeout``: how long to wait for the node's parameters, diagnostics and topics.
+    """
     with _spinning_node("flashrt_bag_recorder") as node:
-        recorder = Recorder(node, output, fetch_header(node, target), storage)
+        recorder = Recorder(node, output, fetch_header(node, target, timeout), storage)
         try:
-            _wait_connected([recorder], 30.0)
+            _wait_connected([recorder], timeout)
             print(f"recording {target} into {output} (Ctrl-C stops)", flush=True)
             deadline = time.monotonic() + duration if duration is not None else None
             while deadline is None or time.monotonic() < deadline:
@@ -81,11 +85,11 @@ def record_node(target: str, output: Path, storage: str = "mcap", duration: floa
     return recorder.count
 
 
-def adopt_recording(source: Path, target: str, output: Path, storage: str = "mcap") -> int:
+def adopt_recording(source: Path, target: str, output: Path, storage: str = "mcap", timeout: float = 30.0) -> int:
     """Turn a bag of ``target``'s topics from ``ros2 bag record`` into a session bag, with the header
     read from the (still running, same parameters) node; returns the message count."""
     with _spinning_node("flashrt_bag_adopt") as node:
-        header = fetch_header(node, target)
+        header = fetch_header(node, target, timeout)
     return adopt_bag(source, output, header, storage)
 
 
@@ -127,7 +131,7 @@ class _LiveReplay:
         self.monitor = _Monitor(node, header)
         self.timeout = timeout
         self.notes: list[str] = []
-        self.requests = 0  # generations the script has started so far
+        self.requests = 0  # request ids the script's calls have taken so far
         self._observations = node.create_publisher(Observation, header.topic("observation"), _RELIABLE)
 
     def connected(self) -> bool:
@@ -169,7 +173,7 @@ class _LiveReplay:
                 "resume": ("resume", {"capsule_id": e.capsule_id}),
             }[call.op]
             self.client.call(service, **fields)
-        self.requests += call.starts_generation
+        self.requests += call.opens_request
 
     def finish(self, expected: dict[str, int]) -> None:
         """Wait until every topic has as many messages as the recording (or the timeout)."""

@@ -2,21 +2,23 @@
 
 The recorder subscribes to the node's four topics with ``raw=True`` and writes the serialized CDR
 bytes straight into the bag, stamped with their receive time, exactly as ``ros2 bag record`` does.
-The bag header holds the node's parameters, read through the standard parameter services, and the
-fingerprint of the engine they build (computed here: the node does not publish its own).
+The bag header holds the node's parameters, read through the standard parameter services, and its
+engine's fingerprint, read from the node's ``/diagnostics`` status (never computed here: that would
+load the model a second time, which a large model on a robot cannot afford).
 """
 import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
 
+from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.node import Node
 from rclpy.parameter import parameter_value_to_python
 from rclpy.parameter_client import AsyncParameterClient
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from flashrt_ros.bag.bagfile import TOPICS, BagError, BagHeader, BagWriter
-from flashrt_ros.bag.replay import engine_fingerprint
 from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
+from flashrt_ros.node import diagnostics_name
 
 MSG_CLASSES = {"observation": Observation, "tokens": TokenChunk, "action": ActionChunk, "events": StateEvent}
 
@@ -29,18 +31,24 @@ def package_version() -> str:
 
 
 def fetch_header(node: Node, target: str, timeout: float = 30.0) -> BagHeader:
-    """The header for a recording of ``target``: its parameters and their engine's fingerprint.
+    """The header for a recording of ``target``: its parameters and its engine's fingerprint.
 
-    ``node`` must be spinning in another thread (the parameter requests complete there).
+    ``node`` must be spinning in another thread (the requests and diagnostics arrive there).
+    BagError if the node does not answer, or publishes no diagnostics within ``timeout`` seconds
+    (it is not configured: no engine, no fingerprint).
     """
-    client = AsyncParameterClient(node, target)
-    if not client.wait_for_services(timeout_sec=timeout):
-        raise BagError(f"node {target} does not answer its parameter services")
-    names = _wait(client.list_parameters(), timeout, target).result.names
-    values = _wait(client.get_parameters(names), timeout, target).values
-    parameters = {n: parameter_value_to_python(v) for n, v in zip(names, values)}
-    return BagHeader(node=target, fingerprint=engine_fingerprint(parameters), parameters=parameters,
-                     package_version=package_version())
+    fingerprint = _FingerprintListener(node, target)
+    try:
+        client = AsyncParameterClient(node, target)
+        if not client.wait_for_services(timeout_sec=timeout):
+            raise BagError(f"node {target} does not answer its parameter services")
+        names = _wait(client.list_parameters(), timeout, target).result.names
+        values = _wait(client.get_parameters(names), timeout, target).values
+        parameters = {n: parameter_value_to_python(v) for n, v in zip(names, values)}
+        return BagHeader(node=target, fingerprint=fingerprint.wait(timeout), parameters=parameters,
+                         package_version=package_version())
+    finally:
+        fingerprint.close()
 
 
 def _wait(future, timeout: float, target: str):
@@ -49,6 +57,35 @@ def _wait(future, timeout: float, target: str):
     if not done.wait(timeout):
         raise BagError(f"node {target} did not answer a parameter request within {timeout:.0f} s")
     return future.result()
+
+
+class _FingerprintListener:
+    """Takes the ``fingerprint`` value of ``target``'s engine status from ``/diagnostics``."""
+
+    def __init__(self, node: Node, target: str):
+        self._node, self._target = node, target
+        self._name = diagnostics_name("/" + target.lstrip("/"))
+        self._value = None
+        self._arrived = threading.Event()
+        self._subscription = node.create_subscription(DiagnosticArray, "/diagnostics", self._on_array, 10)
+
+    def _on_array(self, array: DiagnosticArray) -> None:
+        for status in array.status:
+            if status.name == self._name:
+                value = next((kv.value for kv in status.values if kv.key == "fingerprint"), "")
+                if value:
+                    self._value = value
+                    self._arrived.set()
+
+    def wait(self, timeout: float) -> str:
+        if not self._arrived.wait(timeout):
+            raise BagError(f"no /diagnostics status '{self._name}' with a fingerprint within {timeout:.0f} s: "
+                           f"is {self._target} configured (it publishes its engine's fingerprint there) "
+                           "and on this ROS_DOMAIN_ID?")
+        return self._value
+
+    def close(self) -> None:
+        self._node.destroy_subscription(self._subscription)
 
 
 class Recorder:

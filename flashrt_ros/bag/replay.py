@@ -45,15 +45,6 @@ def _engine(settings: NodeSettings) -> Engine:
         raise BagError(f"cannot build the engine of the recorded parameters here: {exc}") from None
 
 
-def engine_fingerprint(parameters: dict) -> str:
-    """Fingerprint of the engine that a node with these parameters builds.
-
-    The node does not publish its engine's fingerprint, so the bag tools build the same engine
-    (same parameters, same weights on this machine) and read it there.
-    """
-    return _engine(settings_from(parameters)).fingerprint
-
-
 def check_fingerprint(recorded: str, replayed: str, allow_model_change: bool) -> list[str]:
     """Refuse (BagError) a different model unless allowed; returns the report notes."""
     if recorded == replayed:

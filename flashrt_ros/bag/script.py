@@ -32,10 +32,16 @@ class Call:
         return self.event.op
 
     @property
+    def opens_request(self) -> bool:
+        """Whether the call took the next request id (and so ends with a final ~/tokens chunk): a
+        generating observation, even a refused one (its final chunk says ``error``), or a resume."""
+        if self.op == "observe":
+            return self.observation.max_new_tokens > 0
+        return self.op == "resume" and self.event.success
+
+    @property
     def starts_generation(self) -> bool:
-        if not self.event.success:
-            return False
-        return self.op == "resume" or (self.op == "observe" and self.observation.max_new_tokens > 0)
+        return self.opens_request and self.event.success
 
     @property
     def replaces_state(self) -> bool:
@@ -74,8 +80,8 @@ def build_script(records: list[Record]) -> list[Call]:
         script.append(call)
         if call.replaces_state or (call.op == "observe" and event.success):
             active = None
+        requests += call.opens_request
         if call.starts_generation:
-            requests += 1
             final = finals.get(requests)
             active = _Request(event.position_after, final.position if final else event.position_after,
                               final is not None and final.finish_reason in _STOPPED)
