@@ -306,19 +306,23 @@ class FlashRTNode(Node):
         return result
 
     def _stream_feedback(self, goal_handle, gen, feedback: queue.SimpleQueue):
-        """Relay the goal's chunks as feedback until it ends; forward a cancel request once."""
+        """Relay the goal's chunks as feedback until it ends; forward a cancel request once.
+
+        The cancel check comes first in every round: a stream whose chunks arrive faster than they
+        are relayed must still see its cancel at the next token boundary, not at its end.
+        """
         cancel_sent = False
         while True:
-            try:
-                goal_handle.publish_feedback(Generate.Feedback(chunk=feedback.get(timeout=0.02)))
-                continue
-            except queue.Empty:
-                pass
-            if gen.outcome.done():
-                return gen.outcome.result()
             if goal_handle.is_cancel_requested and not cancel_sent and self._worker is not None:
                 self._worker.cancel(gen.request_id)
                 cancel_sent = True
+            try:
+                chunk = feedback.get(timeout=0.02)
+            except queue.Empty:
+                if gen.outcome.done():  # its final chunk was queued before the outcome was set
+                    return gen.outcome.result()
+                continue
+            goal_handle.publish_feedback(Generate.Feedback(chunk=chunk))
 
     # ---- diagnostics ------------------------------------------------------------------------
     def _publish_diagnostics(self) -> None:

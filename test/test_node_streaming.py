@@ -1,5 +1,7 @@
 """Streaming through the flashrt node: ~/observation -> ~/tokens and ~/action, the ~/generate action
 (feedback, cancel), urgent preemption of a goal and a token-identical resume."""
+import threading
+
 import pytest
 from action_msgs.msg import GoalStatus
 from conftest import wait_for
@@ -118,12 +120,21 @@ def test_generate_with_sampling_override_and_reseed_is_reproducible(fresh):
     assert list(first.token_ids) == list(again.token_ids) != list(greedy.token_ids)
 
 
-def test_cancel_stops_the_goal_at_the_next_token_boundary(fresh):
+def test_cancel_stops_the_goal_at_the_next_token_boundary(node_and_client, fresh):
+    node, _ = node_and_client
     client, streams = fresh
     handle, feedback = streams.goal("Tell a long story.", 400)
     wait_for(lambda: feedback, what="first feedback")
-    cancel = client.wait(handle.cancel_goal_async(), 10.0)
-    assert len(cancel.goals_canceling) == 1
+    # Hold the engine thread at a token boundary while the cancel travels, so that on a loaded machine
+    # the greedy stream cannot reach its end-of-sequence token (~140 tokens in) before the cancel does.
+    release = threading.Event()
+    held = node.worker.submit(lambda s: release.wait(30))
+    try:
+        cancel = client.wait(handle.cancel_goal_async(), 10.0)
+        assert len(cancel.goals_canceling) == 1
+    finally:
+        release.set()
+    assert held.result(10)
     response = client.result(handle)
     result = response.result
     assert response.status == GoalStatus.STATUS_CANCELED
@@ -161,7 +172,9 @@ def test_urgent_observation_preempts_a_goal_and_resume_is_token_identical(fresh)
     assert interrupted.finish_reason == "preempted" and interrupted.error_code == ErrorCode.PREEMPTED
     assert 0 < len(interrupted.token_ids) < 40
     urgent_ids, urgent = streams.stream(stamp_sec=99)
-    assert urgent.finish_reason == "length" and len(urgent_ids) == 3
+    # The urgent request continues from wherever the goal was interrupted (timing), so the tiny model's
+    # random weights may end it early at an end-of-sequence token.
+    assert (urgent.finish_reason, len(urgent_ids)) == ("length", 3) or urgent.finish_reason == "stop"
 
     resume = client.call(Resume, "resume")
     assert resume.success and resume.remaining_tokens == 40 - len(interrupted.token_ids)
