@@ -5,7 +5,7 @@
 
 Arguments:
   params_file  parameters YAML (default: share/flashrt_ros/config/default.yaml; config/thor.yaml for
-               Jetson AGX Thor). Its top-level key must match the node (`flashrt:` or `/**:`).
+               Jetson AGX Thor). The shipped files use the top-level key `/**:`, so they fit any node_name.
   namespace    ROS namespace of the node (default: none).
   node_name    node name (default: flashrt); its services and topics live under ~/ of this name.
   autostart    true: the node configures and activates itself; false: it stays unconfigured until a
