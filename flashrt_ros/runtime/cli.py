@@ -60,7 +60,7 @@ def cmd_verify(args) -> dict:
 
 def cmd_bench(args) -> dict:
     contexts = [int(c) for c in args.contexts.split(",")]
-    engine = Engine(_config(args, max(contexts) + 24 + args.decode_tokens + 8, 16384 if args.device != "cpu" else 64,
+    engine = Engine(_config(args, max(contexts) + 24 + args.decode_tokens + 8, 16384,
                             8192, checksum=False))
     rows = [bench_context(engine, c, args.repeats, args.decode_tokens, args.compare_hf) for c in contexts]
     result = {"model": args.model, "device": args.device, "dtype": args.dtype, "kernel": engine.kernel_name,
