@@ -296,8 +296,10 @@ class Session:
                 raise FlashRTError(ErrorCode.CONTEXT_OVERFLOW,
                                    f"{len(ids)} tokens at position {self.engine.position} exceed "
                                    f"max_context {self.engine.max_context}")
-            if obs.snapshot_label:  # refuse now rather than ingest and then fail to take the capsule
-                self.engine.check_capsule_room(self.engine.position + len(ids))
+            if obs.snapshot_label:  # refuse now rather than ingest and then fail to take the capsule(s)
+                # a preempted generation is kept as a capsule of the current state first: both must fit
+                interrupted = (self.engine.position,) if self._active is not None else ()
+                self.engine.check_capsule_room(*interrupted, self.engine.position + len(ids))
             if self._active is not None:
                 self._active.stop(PREEMPTED)
             if ids:

@@ -479,3 +479,66 @@ def test_capsule_of_another_engine_is_refused_on_restore(engine, tmp_path, other
     engine.import_capsule(tmp_path / "f.capsule")
     with refused(engine, ErrorCode.FINGERPRINT_MISMATCH):
         engine.restore("f")
+
+
+def test_a_reused_id_does_not_rewire_the_lineage(engine):
+    engine.ingest(engine.tokenizer.encode("pick up the cup"))
+    engine.snapshot("root")
+    greedy(engine, 3)
+    engine.snapshot("x")
+    engine.drop("x")                       # the live state now descends from root directly
+    assert engine.live_parent == "root"
+    greedy(engine, 2)
+    engine.snapshot("x")                   # the id comes back, as a child of root
+    assert engine.store.ancestors(engine.live_parent) == ["x", "root"]
+    assert engine.rollback(capsule_id="root") == engine.capsule("root").position
+
+    engine.reset()
+    engine.ingest(engine.tokenizer.encode("other"))
+    engine.snapshot("other")
+    engine.reset()
+    engine.ingest(engine.tokenizer.encode("main"))
+    engine.snapshot("y")
+    engine.drop("y")
+    engine.fork(source_id="other", capsule_id="y")     # an unrelated capsule takes the dropped id
+    with refused(engine, ErrorCode.NOT_IN_LINEAGE):
+        engine.rollback(capsule_id="other")
+
+
+def test_a_refused_snapshot_does_not_use_up_an_automatic_id():
+    sizes = make_engine().arena
+    engine = make_engine(capsule_budget_bytes=sizes.live_nbytes(10) + sizes.live_nbytes(210) - 1)
+    engine.ingest(list(range(10)))
+    assert engine.snapshot().id == "c0001"
+    engine.ingest(list(range(200)))
+    with refused(engine, ErrorCode.BUDGET_EXCEEDED):
+        engine.snapshot()
+    engine.drop("c0001")
+    assert engine.snapshot().id == "c0002"
+
+
+def test_explicit_numbered_ids_move_the_automatic_numbering_on(engine):
+    """A bag replay re-creates recorded automatic ids explicitly; the next automatic id must match the recording."""
+    engine.ingest(list(range(10)))
+    engine.snapshot("c0001")
+    engine.drop("c0001")
+    assert engine.snapshot().id == "c0002"
+
+
+def test_dropping_the_restored_capsule_releases_its_bytes_and_keeps_rollback_working(engine):
+    start = engine.ingest(list(range(20)))
+    engine.snapshot("big")
+    greedy(engine, 3)
+    engine.restore("big")
+    greedy(engine, 4)
+    data = engine.capsule_bytes("big")
+    engine.drop("big")
+    assert not any(b.capsule is not None and b.capsule.data is data for b in engine._boundaries)
+    assert engine.rollback(steps=3) == start + 1
+    engine.snapshot("again")
+    engine.restore("again")
+    engine.drop("again")                   # it backed the only boundary, which becomes a copy of the live state
+    before = engine.live_bytes()
+    greedy(engine, 2)
+    assert engine.rollback(steps=2) == start + 1
+    assert torch.equal(engine.live_bytes(), before)

@@ -203,10 +203,31 @@ def test_observation_label_asks_the_engine_for_room_at_the_position_after_ingest
     """The capsule-room check goes through the engine's public API, for the position the capsule will have."""
     asked = []
     check = engine.check_capsule_room
-    monkeypatch.setattr(engine, "check_capsule_room", lambda position=None: (asked.append(position), check(position)))
+    monkeypatch.setattr(engine, "check_capsule_room", lambda *positions: (asked.append(positions), check(*positions)))
     session.observe(ObservationInput(text="ab"))
     session.observe(ObservationInput(text="cde", snapshot_label="labelled"))
-    assert asked == [5] and engine.capsules()[0].position == 5
+    assert asked == [(5,)] and engine.capsules()[0].position == 5
+
+
+def test_urgent_labelled_observation_that_cannot_keep_both_capsules_changes_nothing(outputs):
+    """Preempting keeps the interrupted stream as a capsule first; if that and the label capsule do not both fit,
+    the observation is refused before the running generation is touched."""
+    probe = Engine(EngineConfig(model="tiny", max_context=256))
+    prompt, urgent = probe.tokenizer.encode("hello robot"), probe.tokenizer.encode("STOP")
+    at = len(prompt) + 3
+    budget = probe.arena.live_nbytes(at) + probe.arena.live_nbytes(at + len(urgent)) - 1
+    engine = Engine(EngineConfig(model="tiny", max_context=256, capsule_budget_bytes=budget))
+    session = make_session(engine, outputs)
+    running = session.observe(ObservationInput(token_ids=prompt, max_new_tokens=20))
+    for _ in range(3):
+        running.step()
+    before = engine.live_checksum()
+    with pytest.raises(FlashRTError) as refused:
+        session.observe(ObservationInput(token_ids=urgent, max_new_tokens=8, priority=PRIORITY_URGENT,
+                                         snapshot_label="after-stop"))
+    assert refused.value.code == ErrorCode.BUDGET_EXCEEDED
+    assert engine.live_checksum() == before and engine.position == at and engine.capsules() == []
+    assert session.active is running and running.step()
 
 
 def test_a_refused_generation_ends_with_one_error_chunk_after_its_event(engine, outputs):

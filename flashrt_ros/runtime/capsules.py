@@ -15,6 +15,7 @@ from .checksum import checksum
 from .errors import ErrorCode, FlashRTError
 
 _ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_AUTO_ID = re.compile(r"c(\d{4,})")
 _FILE_MAGIC = b"FLASHRT-CAPSULE\0"
 _FILE_VERSION = 1
 _HEADER = struct.Struct("<16sIQ")  # magic, version, header length
@@ -52,7 +53,8 @@ class CapsuleStore:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self._capsules: dict[str, Capsule] = {}
-        self._parents: dict[str, str] = {}   # kept after a drop, so lineage runs through dropped capsules
+        # lineage: stored id -> nearest stored ancestor ("" = none); a drop re-points its children
+        self._parents: dict[str, str] = {}
         self._counter = 0
 
     @property
@@ -70,17 +72,19 @@ class CapsuleStore:
             raise FlashRTError(ErrorCode.UNKNOWN_CAPSULE, f"no capsule {capsule_id!r}") from None
 
     def new_id(self, requested: str | None) -> str:
-        """Validate a requested id (or make one up) before any bytes are copied."""
+        """Validate a requested id (or pick the next free ``cNNNN``) before any bytes are copied.
+
+        Nothing is reserved: a later refusal (e.g. the budget) leaves the numbering as it was.
+        """
         if requested:
             validate_capsule_id(requested)
             if requested in self._capsules:
                 raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"capsule {requested!r} already exists")
             return requested
-        while True:
-            self._counter += 1
-            candidate = f"c{self._counter:04d}"
-            if candidate not in self._capsules:
-                return candidate
+        number = self._counter + 1
+        while f"c{number:04d}" in self._capsules:
+            number += 1
+        return f"c{number:04d}"
 
     def check_room(self, nbytes: int) -> None:
         if self.used_bytes + nbytes > self.budget_bytes:
@@ -88,27 +92,34 @@ class CapsuleStore:
                 ErrorCode.BUDGET_EXCEEDED,
                 f"capsule of {nbytes} B does not fit: {self.used_bytes} of {self.budget_bytes} B in use")
 
-    def add(self, capsule: Capsule) -> None:
+    def add(self, capsule: Capsule, lineage_parent: str) -> None:
+        """Store a capsule; ``lineage_parent`` is a stored capsule it descends from, or ""."""
         self.check_room(capsule.info.nbytes)
         self._capsules[capsule.info.id] = capsule
-        self._parents[capsule.info.id] = capsule.info.parent
+        self._parents[capsule.info.id] = lineage_parent if lineage_parent in self._capsules else ""
+        numbered = _AUTO_ID.fullmatch(capsule.info.id)
+        if numbered:   # ids given explicitly (e.g. by a bag replay) move the numbering on, as when picked here
+            self._counter = max(self._counter, int(numbered.group(1)))
 
-    def drop(self, capsule_id: str) -> int:
+    def drop(self, capsule_id: str) -> tuple[int, str]:
+        """Remove a capsule; returns its bytes and its nearest stored ancestor, which its children now descend from."""
         capsule = self.get(capsule_id)
         del self._capsules[capsule_id]
-        return capsule.info.nbytes
+        parent = self._parents.pop(capsule_id)
+        for child, ancestor in self._parents.items():
+            if ancestor == capsule_id:
+                self._parents[child] = parent
+        return capsule.info.nbytes, parent
 
     def infos(self) -> list[CapsuleInfo]:
         return [c.info for c in self._capsules.values()]
 
     def ancestors(self, capsule_id: str) -> list[str]:
-        """capsule_id, its parent, grandparent, ... that are still stored (dropped ones are passed through)."""
-        chain, seen = [], set()
-        while capsule_id and capsule_id not in seen:
-            seen.add(capsule_id)
-            if capsule_id in self._capsules:
-                chain.append(capsule_id)
-            capsule_id = self._parents.get(capsule_id, "")
+        """capsule_id, then its stored ancestors, nearest first."""
+        chain = []
+        while capsule_id in self._capsules:
+            chain.append(capsule_id)
+            capsule_id = self._parents[capsule_id]
         return chain
 
 

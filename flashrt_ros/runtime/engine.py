@@ -330,7 +330,7 @@ class Engine:
         info = CapsuleInfo(id=new_id, parent=parent, label=label, position=position, nbytes=data.numel(),
                            tier="device" if data.is_cuda else "host",
                            checksum=checksum(data) if self.config.checksum_on_snapshot else "", created=time.time())
-        self.store.add(Capsule(info, self.fingerprint, data))
+        self.store.add(Capsule(info, self.fingerprint, data), lineage_parent=parent)
         return info
 
     @torch.inference_mode()
@@ -381,7 +381,7 @@ class Engine:
         new_id = self.store.new_id(capsule_id)
         self.store.check_room(source.info.nbytes)
         info = dataclasses.replace(source.info, id=new_id, parent=source_id, label=label, created=time.time())
-        self.store.add(Capsule(info, source.fingerprint, source.data.clone()))
+        self.store.add(Capsule(info, source.fingerprint, source.data.clone()), lineage_parent=source_id)
         if switch:
             self._load(self.store.get(new_id))
         return info
@@ -416,12 +416,23 @@ class Engine:
                                  if self.store.get(a).info.position <= position), "")
         return position
 
-    def check_capsule_room(self, position: int | None = None) -> None:
-        """Raise BUDGET_EXCEEDED if a capsule of the live state (at ``position``, default: now) would not fit."""
-        self.store.check_room(self.arena.live_nbytes(self.position if position is None else position))
+    def check_capsule_room(self, *positions: int) -> None:
+        """Raise BUDGET_EXCEEDED unless capsules of the live state at all these positions (default: now) fit."""
+        self.store.check_room(sum(self.arena.live_nbytes(p) for p in (positions or (self.position,))))
 
     def drop(self, capsule_id: str) -> int:
-        return self.store.drop(capsule_id)
+        """Free a capsule. The live state and other capsules then descend from its nearest stored ancestor."""
+        capsule = self.store.get(capsule_id)
+        freed, parent = self.store.drop(capsule_id)
+        if self.live_parent == capsule_id:
+            self.live_parent = parent
+        if self._boundaries and self._boundaries[0].capsule is capsule:
+            # the oldest rollback boundary still points at these bytes: release them too
+            if len(self._boundaries) == 1:
+                self._restart_history()       # the live state is that boundary: keep it as a copy
+            else:
+                self._boundaries.popleft()
+        return freed
 
     def capsule(self, capsule_id: str) -> CapsuleInfo:
         return self.store.get(capsule_id).info
@@ -455,7 +466,7 @@ class Engine:
                                                             f"{capsule.info.position} does not match its payload)")
         capsule_io.validate_capsule_id(capsule.info.id)
         self.store.new_id(capsule.info.id)
-        self.store.add(capsule)
+        self.store.add(capsule, lineage_parent="")   # its recorded parent belongs to another session
         return capsule.info
 
     # ---- identity ----------------------------------------------------------------------------------------
