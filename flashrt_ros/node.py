@@ -281,6 +281,8 @@ class FlashRTNode(Node):
         feedback: queue.SimpleQueue = queue.SimpleQueue()
 
         def start(session):
+            if goal_handle.is_cancel_requested:  # canceled while it waited for the engine: never start it
+                raise FlashRTError(ErrorCode.CANCELED, "goal canceled before it started")
             gen = session.observe(obs, sampling, seed)
             self._goal_feedback[gen.request_id] = feedback  # before the first step, so no chunk is missed
             return gen
@@ -288,6 +290,11 @@ class FlashRTNode(Node):
         try:
             gen, _ = self._call(start, when_idle=obs.priority != PRIORITY_URGENT)
         except FlashRTError as e:
+            if e.code == ErrorCode.CANCELED:
+                _refuse(result, e.code, e.message)
+                result.finish_reason = CANCELED
+                goal_handle.canceled()
+                return result
             return _abort(goal_handle, result, e.code, e.message)
         try:
             outcome = self._stream_feedback(goal_handle, gen, feedback)

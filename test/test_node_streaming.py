@@ -143,6 +143,27 @@ def test_cancel_stops_the_goal_at_the_next_token_boundary(node_and_client, fresh
     assert result.position == client.call(ListCapsules, "list_capsules").live_position
 
 
+def test_a_goal_canceled_while_it_waits_never_starts(node_and_client, fresh):
+    """A normal-priority goal waits behind a running generation; canceled meanwhile, it must not ingest anything."""
+    node, _ = node_and_client
+    client, streams = fresh
+    release = threading.Event()
+    held = node.worker.submit(lambda s: release.wait(30))     # keeps the engine busy while the goal queues
+    try:
+        handle, feedback = streams.goal("never run", 8)
+        cancel = client.wait(handle.cancel_goal_async(), 10.0)
+        assert len(cancel.goals_canceling) == 1
+    finally:
+        release.set()
+    assert held.result(10)
+    response = client.result(handle)
+    assert response.status == GoalStatus.STATUS_CANCELED
+    assert response.result.error_code == ErrorCode.CANCELED and response.result.token_ids.tolist() == []
+    assert not feedback
+    assert client.call(ListCapsules, "list_capsules").live_position == 0
+    assert not [e for e in streams.events if e.op == "observe"]
+
+
 @pytest.mark.parametrize("text,tokens,code", [("x" * 600, 4, ErrorCode.CONTEXT_OVERFLOW),
                                               ("fine", 0, ErrorCode.INVALID_ARGUMENT)])
 def test_refused_goal_aborts_with_its_code_and_changes_nothing(fresh, text, tokens, code):
