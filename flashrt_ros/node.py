@@ -16,13 +16,14 @@ Callbacks never touch the engine: they submit work to the engine thread and wait
 (``request_timeout_s``) in a reentrant callback group, spun by a MultiThreadedExecutor.
 """
 import queue
+import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional
 
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from rclpy.action import ActionServer, CancelResponse
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import Node, State, TransitionCallbackReturn
@@ -39,7 +40,10 @@ from flashrt_ros.session import (CANCELED, PRIORITY_URGENT, ActionOutput, EventO
                                  TokenOutput)
 from flashrt_ros.srv import DropCapsule, Fork, ListCapsules, Restore, Resume, Rollback, Snapshot
 
-EXECUTOR_THREADS = 8  # blocking service/action callbacks each hold one thread while the engine works
+EXECUTOR_THREADS = 16  # blocking service/action callbacks each hold one thread while the engine works
+# Goals hold an executor thread for as long as they wait and stream; beyond this many at once a new goal is
+# rejected, so services, observations and cancels always find a free thread.
+MAX_GOALS_IN_FLIGHT = EXECUTOR_THREADS // 2
 
 # Events are an audit trail: keep them for late joiners (bag recorders) and never drop them.
 _EVENTS_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE,
@@ -56,6 +60,8 @@ class FlashRTNode(Node):
         self._active = False
         self._last_error = ""
         self._goal_feedback: dict[int, queue.SimpleQueue] = {}  # request id -> chunks for its action goal
+        self._goals_lock = threading.Lock()
+        self._goals_in_flight = 0
         self._observation_sub = None
         self._diagnostics_timer = None
 
@@ -74,7 +80,7 @@ class FlashRTNode(Node):
             self.create_service(srv_type, f"~/{name}", callback, callback_group=self._group)
         self._action_server = ActionServer(
             self, Generate, "~/generate", execute_callback=self._execute_goal,
-            cancel_callback=lambda _: CancelResponse.ACCEPT,
+            goal_callback=self._accept_goal, cancel_callback=lambda _: CancelResponse.ACCEPT,
             callback_group=self._group)
 
         if self.get_parameter("autostart").value:
@@ -270,7 +276,22 @@ class FlashRTNode(Node):
         if not future.cancelled() and future.exception() is not None:
             self.get_logger().warning(f"observation refused: {future.exception()}")
 
+    def _accept_goal(self, _goal) -> GoalResponse:
+        with self._goals_lock:
+            if self._goals_in_flight >= MAX_GOALS_IN_FLIGHT:
+                self.get_logger().warning(f"goal rejected: {MAX_GOALS_IN_FLIGHT} goals already in flight")
+                return GoalResponse.REJECT
+            self._goals_in_flight += 1
+        return GoalResponse.ACCEPT
+
     def _execute_goal(self, goal_handle):
+        try:
+            return self._run_goal(goal_handle)
+        finally:
+            with self._goals_lock:
+                self._goals_in_flight -= 1
+
+    def _run_goal(self, goal_handle):
         goal = goal_handle.request
         result = Generate.Result()
         obs = conv.observation_in(goal.observation)

@@ -164,6 +164,27 @@ def test_a_goal_canceled_while_it_waits_never_starts(node_and_client, fresh):
     assert not [e for e in streams.events if e.op == "observe"]
 
 
+def test_goals_beyond_the_limit_are_rejected_and_services_keep_answering(node_and_client, fresh):
+    """Waiting goals hold executor threads; the node caps them so that other callbacks still find a free one."""
+    from flashrt_ros.node import MAX_GOALS_IN_FLIGHT
+    node, _ = node_and_client
+    client, streams = fresh
+    release = threading.Event()
+    held = node.worker.submit(lambda s: release.wait(60))     # every goal now waits for the engine
+    try:
+        handles = [streams.goal(f"goal {i}", 2)[0] for i in range(MAX_GOALS_IN_FLIGHT)]
+        assert all(h.accepted for h in handles)
+        assert not streams.goal("one too many", 2)[0].accepted
+        cancel = client.wait(handles[0].cancel_goal_async(), 5.0)      # needs a free thread while all wait
+        assert len(cancel.goals_canceling) == 1
+    finally:
+        release.set()
+    assert held.result(10)
+    assert client.result(handles[0]).status == GoalStatus.STATUS_CANCELED
+    assert all(client.result(h).status == GoalStatus.STATUS_SUCCEEDED for h in handles[1:])
+    assert streams.goal("room again", 2)[0].accepted
+
+
 @pytest.mark.parametrize("text,tokens,code", [("x" * 600, 4, ErrorCode.CONTEXT_OVERFLOW),
                                               ("fine", 0, ErrorCode.INVALID_ARGUMENT)])
 def test_refused_goal_aborts_with_its_code_and_changes_nothing(fresh, text, tokens, code):
