@@ -17,13 +17,13 @@ HEADER = BagHeader(node="/robot/flashrt", fingerprint="ab" * 32,
                    package_version="1.2.3")
 
 
-def observation(text="hi", max_new_tokens=2, stamp_ns=5):
+def observation(text="hi", max_new_tokens=2, stamp_ns=5, priority=0):
     types = typestore().types
     stamp = types["builtin_interfaces/msg/Time"](sec=0, nanosec=stamp_ns)
     return types[TOPICS["observation"]](
         header=types["std_msgs/msg/Header"](stamp=stamp, frame_id=""), text=text,
         token_ids=np.array([1, 2], np.int32), values=np.array([0.5], np.float32),
-        max_new_tokens=max_new_tokens, priority=0, snapshot_label="")
+        max_new_tokens=max_new_tokens, priority=priority, snapshot_label="")
 
 
 def event(seq, op="observe", before=0, after=3, **fields):
@@ -124,3 +124,16 @@ def test_bags_that_cannot_be_replayed_are_refused(events, observations, reason):
     records += [Record("observation", 100 + i, observation()) for i in range(observations)]
     with pytest.raises(BagError, match=reason):
         build_script(records)
+
+
+def test_an_urgent_observation_overtakes_a_normal_one_waiting_for_the_generation():
+    """Normal observations wait while a generation runs; the observe that preempted it took the urgent one,
+    although the normal one arrived first."""
+    first, normal, urgent = observation("go"), observation("then wave"), observation("STOP", priority=1)
+    records = [Record("observation", 1, first), Record("events", 2, event(1, before=0, after=2)),
+               Record("observation", 3, normal), Record("observation", 4, urgent),
+               Record("events", 5, event(2, "preempt", 3, 3)), Record("tokens", 6, tokens(1, [7], 3, True, "preempted")),
+               Record("events", 7, event(3, before=3, after=5)), Record("tokens", 8, tokens(2, [8, 9], 7, True, "length")),
+               Record("events", 9, event(4, before=7, after=9))]
+    observed = [call.observation.text for call in build_script(records) if call.op == "observe"]
+    assert observed == ["go", "STOP", "then wave"]

@@ -7,8 +7,9 @@ recorded events in ``seq`` order, minus those another call emits as its own cons
 * ``preempt`` is emitted inside the ``observe`` that interrupts a running generation;
 * the ``snapshot`` right after a successful ``observe`` whose observation has a ``snapshot_label``.
 
-Each ``observe`` event takes the next recorded ``~/observation`` message (the node processes them
-in arrival order). ``position_before`` says where a call ran: the replay steps a running generation
+Each ``observe`` event takes the next recorded ``~/observation`` message: the node processes them in
+arrival order, except that normal observations wait while a generation runs, so an ``observe`` that
+happened mid-generation took the first waiting *urgent* one. ``position_before`` says where a call ran: the replay steps a running generation
 until the live position reaches it, which places operations at the same token boundary, including
 those that ran mid-generation. :attr:`Call.tokens_into_request` says whether the call ran
 mid-generation (and how deep), which a live replay needs to time it.
@@ -16,6 +17,7 @@ mid-generation (and how deep), which a live replay needs to time it.
 from dataclasses import dataclass
 
 from flashrt_ros.bag.bagfile import BagError, Record
+from flashrt_ros.session import PRIORITY_URGENT
 
 _REPLACING = {"restore", "rollback", "reset", "resume"}  # + fork with switch_to; they end a generation
 _STOPPED = {"preempted", "canceled"}  # finish reasons of a generation that something else ended
@@ -61,7 +63,7 @@ def build_script(records: list[Record]) -> list[Call]:
     observations = [r.msg for r in records if r.topic == "observation"]
     _check_complete(events, observations)
     finals = {r.msg.request_id: r.msg for r in records if r.topic == "tokens" and r.msg.final}
-    pending = iter(observations)
+    pending = list(observations)
     script: list[Call] = []
     active: _Request | None = None
     requests = 0
@@ -75,7 +77,7 @@ def build_script(records: list[Record]) -> list[Call]:
         here = event.position_before
         if active is not None and not active.stopped and here >= active.end:
             active = None  # it had finished on its own before this call
-        call = Call(event, next(pending) if event.op == "observe" else None,
+        call = Call(event, _take(pending, mid_generation=active is not None) if event.op == "observe" else None,
                     None if active is None else here - active.start)
         script.append(call)
         if call.replaces_state or (call.op == "observe" and event.success):
@@ -86,6 +88,12 @@ def build_script(records: list[Record]) -> list[Call]:
             active = _Request(event.position_after, final.position if final else event.position_after,
                               final is not None and final.finish_reason in _STOPPED)
     return script
+
+
+def _take(pending: list, mid_generation: bool):
+    """The observation an ``observe`` event ingested (see the module docstring)."""
+    urgent = (i for i, o in enumerate(pending) if o.priority == PRIORITY_URGENT)
+    return pending.pop(next(urgent, 0) if mid_generation else 0)
 
 
 def _check_complete(events: list, observations: list) -> None:
