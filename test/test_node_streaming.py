@@ -1,5 +1,6 @@
 """Streaming through the flashrt node: ~/observation -> ~/tokens and ~/action, the ~/generate action
 (feedback, cancel), urgent preemption of a goal and a token-identical resume."""
+import contextlib
 import threading
 
 import pytest
@@ -52,6 +53,18 @@ class Streams:
         goal.observation.text, goal.observation.max_new_tokens = text, max_new_tokens
         feedback = []
         return self.client.send_goal(self.generate, goal, feedback), feedback
+
+
+@contextlib.contextmanager
+def engine_held(node):
+    """Keep the engine thread busy at a token boundary for the duration of the block."""
+    release = threading.Event()
+    held = node.worker.submit(lambda s: release.wait(60))
+    try:
+        yield
+    finally:
+        release.set()
+    assert held.result(10)
 
 
 @pytest.fixture(scope="module")
@@ -127,14 +140,9 @@ def test_cancel_stops_the_goal_at_the_next_token_boundary(node_and_client, fresh
     wait_for(lambda: feedback, what="first feedback")
     # Hold the engine thread at a token boundary while the cancel travels, so that on a loaded machine
     # the greedy stream cannot reach its end-of-sequence token (~140 tokens in) before the cancel does.
-    release = threading.Event()
-    held = node.worker.submit(lambda s: release.wait(30))
-    try:
+    with engine_held(node):
         cancel = client.wait(handle.cancel_goal_async(), 10.0)
         assert len(cancel.goals_canceling) == 1
-    finally:
-        release.set()
-    assert held.result(10)
     response = client.result(handle)
     result = response.result
     assert response.status == GoalStatus.STATUS_CANCELED
@@ -147,15 +155,10 @@ def test_a_goal_canceled_while_it_waits_never_starts(node_and_client, fresh):
     """A normal-priority goal waits behind a running generation; canceled meanwhile, it must not ingest anything."""
     node, _ = node_and_client
     client, streams = fresh
-    release = threading.Event()
-    held = node.worker.submit(lambda s: release.wait(30))     # keeps the engine busy while the goal queues
-    try:
+    with engine_held(node):                                  # the goal queues behind the busy engine
         handle, feedback = streams.goal("never run", 8)
         cancel = client.wait(handle.cancel_goal_async(), 10.0)
         assert len(cancel.goals_canceling) == 1
-    finally:
-        release.set()
-    assert held.result(10)
     response = client.result(handle)
     assert response.status == GoalStatus.STATUS_CANCELED
     assert response.result.error_code == ErrorCode.CANCELED and response.result.token_ids.tolist() == []
@@ -169,17 +172,12 @@ def test_goals_beyond_the_limit_are_rejected_and_services_keep_answering(node_an
     from flashrt_ros.node import MAX_GOALS_IN_FLIGHT
     node, _ = node_and_client
     client, streams = fresh
-    release = threading.Event()
-    held = node.worker.submit(lambda s: release.wait(60))     # every goal now waits for the engine
-    try:
+    with engine_held(node):                                  # every goal now waits for the engine
         handles = [streams.goal(f"goal {i}", 2)[0] for i in range(MAX_GOALS_IN_FLIGHT)]
         assert all(h.accepted for h in handles)
         assert not streams.goal("one too many", 2)[0].accepted
         cancel = client.wait(handles[0].cancel_goal_async(), 5.0)      # needs a free thread while all wait
         assert len(cancel.goals_canceling) == 1
-    finally:
-        release.set()
-    assert held.result(10)
     assert client.result(handles[0]).status == GoalStatus.STATUS_CANCELED
     assert all(client.result(h).status == GoalStatus.STATUS_SUCCEEDED for h in handles[1:])
     assert streams.goal("room again", 2)[0].accepted
