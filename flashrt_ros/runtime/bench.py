@@ -6,31 +6,20 @@ device work (what a caller sees), medians and 99th percentiles over repeated run
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from .checksum import checksum
 from .engine import Engine
+from .model import rope_inv_freq
+from .timing import timed
 from .verify import prompt_tokens
 
 SUFFIX_LEN = 24
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_ms(device, fn, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append(1000.0 * (time.perf_counter() - started))
-    return out
+    return [timed(device, fn)[1] for _ in range(repeats)]
 
 
 def _p(values: list[float], q: float) -> float:
@@ -62,8 +51,7 @@ def _hf_model(engine: Engine):
     hf.load_state_dict(weights, assign=True, strict=True)
     hf.requires_grad_(False)
     hf.model.rotary_emb.to_empty(device=engine.device)
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float) / cfg.rotary_dim))
-    hf.model.rotary_emb.inv_freq = inv_freq.to(engine.device)
+    hf.model.rotary_emb.inv_freq = rope_inv_freq(cfg).to(engine.device)
     hf.model.rotary_emb.original_inv_freq = hf.model.rotary_emb.inv_freq.clone()
     return hf.eval()
 
@@ -81,7 +69,6 @@ def _hf_figures(engine: Engine, prompt: list[int], repeats: int) -> dict:
         cache, token = out.past_key_values, out.logits[0, -1].argmax().view(1, 1)
         steps = _time_ms(engine.device, lambda: hf(token, past_key_values=cache, use_cache=True, logits_to_keep=1),
                          repeats + 2)
-    del hf
     return {"hf_cold_ttft_ms": statistics.median(ttft), "hf_decode_step_ms": statistics.median(steps[2:])}
 
 
@@ -124,12 +111,9 @@ def bench_context(engine: Engine, context: int, repeats: int, decode_tokens: int
 
     engine.restore("bench")
     engine.ingest(suffix)
-    steps = list(engine.generate(2, stop_token_ids=()))           # warm
-    _sync(device)
-    started = time.perf_counter()
-    steps = list(engine.generate(decode_tokens, stop_token_ids=()))
-    _sync(device)
-    decode_ms = 1000.0 * (time.perf_counter() - started) / max(1, len(steps))
+    list(engine.generate(2, stop_token_ids=()))                   # warm
+    steps, total_ms = timed(device, lambda: list(engine.generate(decode_tokens, stop_token_ids=())))
+    decode_ms = total_ms / max(1, len(steps))
     engine.drop("bench")
 
     row = {

@@ -17,7 +17,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from . import capsules as capsule_io
-from .arena import POSITION, RNG_COUNTER, RNG_SEED, Arena, buffer_specs
+from .arena import RNG_COUNTER, RNG_SEED, Arena, buffer_specs
 from .capsules import Capsule, CapsuleInfo, CapsuleStore
 from .checksum import checksum
 from .config import PRESETS
@@ -228,7 +228,7 @@ class Engine:
             self._boundaries.append(_Boundary(capsule.info.position, capsule=capsule))
 
     # ---- stream ------------------------------------------------------------------------------------------
-    def _check_tokens(self, token_ids: Iterable[int]) -> list[int]:
+    def _check_tokens(self, token_ids: Iterable[int], position: int) -> list[int]:
         try:
             ids = [operator.index(t) for t in token_ids]
         except TypeError:
@@ -237,22 +237,22 @@ class Engine:
         if bad:
             raise FlashRTError(ErrorCode.TOKEN_OUT_OF_RANGE,
                                f"token id(s) {bad[:5]} outside [0, {self.vocab_size})")
-        if self.position + len(ids) > self.max_context:
-            raise FlashRTError(ErrorCode.CONTEXT_OVERFLOW, f"{len(ids)} tokens at position {self.position} exceed "
+        if position + len(ids) > self.max_context:
+            raise FlashRTError(ErrorCode.CONTEXT_OVERFLOW, f"{len(ids)} tokens at position {position} exceed "
                                                            f"max_context {self.max_context}")
         return ids
 
     @torch.inference_mode()
     def ingest(self, token_ids: Sequence[int]) -> int:
         """Append tokens to the context (chunked prefill); returns the new position."""
-        ids = self._check_tokens(token_ids)
+        started = time.perf_counter()
+        start = self.position                      # one read of the arena (a device sync on CUDA)
+        ids = self._check_tokens(token_ids, start)
         if ids:
-            started = time.perf_counter()
-            start = self.position
             self._feed(start, ids)
             self._push_boundary(start + len(ids))
             self._last_ingest_s = time.perf_counter() - started
-        return self.position
+        return start + len(ids)
 
     def generate(self, max_new_tokens: int, sampling: SamplingParams | None = None,
                  stop_token_ids: Iterable[int] | None = None) -> Iterator[int]:
@@ -345,9 +345,7 @@ class Engine:
             raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
                                f"capsule {capsule_id!r} was taken from another model, config or plan "
                                f"(fingerprint {capsule.fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
-        if capsule.info.nbytes != self.arena.live_nbytes(capsule.info.position):
-            raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"capsule {capsule_id!r}: its size does not match its "
-                                                            f"position {capsule.info.position}")
+        self._check_size(capsule, f"capsule {capsule_id!r}")
         if verify_checksum:
             if not capsule.info.checksum:
                 raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule {capsule_id!r} has no stored checksum")
@@ -355,6 +353,12 @@ class Engine:
                 raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"capsule {capsule_id!r} is corrupted: its bytes "
                                                                 f"no longer match its checksum")
         return capsule
+
+    def _check_size(self, capsule: Capsule, what: str) -> None:
+        """A header whose position does not match the payload would leave stale KV rows live: refuse it."""
+        if capsule.info.nbytes != self.arena.live_nbytes(capsule.info.position):
+            raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"{what}: corrupted (its size does not match its "
+                                                            f"position {capsule.info.position})")
 
     def _load(self, capsule: Capsule, kv_only: bool = False) -> None:
         self.arena.write_live(capsule.info.position, capsule.data, names=("meta", "kv") if kv_only else None)
@@ -460,10 +464,8 @@ class Engine:
     def import_capsule(self, path: str | Path) -> CapsuleInfo:
         """Read a capsule file into the store (its id must be free). Restore checks its fingerprint."""
         capsule = capsule_io.read_capsule_file(Path(path), self.device)
-        if capsule.fingerprint == self.fingerprint and \
-                capsule.info.nbytes != self.arena.live_nbytes(capsule.info.position):
-            raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"{path}: corrupted capsule file (header position "
-                                                            f"{capsule.info.position} does not match its payload)")
+        if capsule.fingerprint == self.fingerprint:   # another model's layout cannot be checked here
+            self._check_size(capsule, f"capsule file {path}")
         capsule_io.validate_capsule_id(capsule.info.id)
         self.store.new_id(capsule.info.id)
         self.store.add(capsule, lineage_parent="")   # its recorded parent belongs to another session

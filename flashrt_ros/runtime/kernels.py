@@ -65,6 +65,13 @@ def _expand_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int):
     return q, k
 
 
+def _delta_rule_inputs(q, k, v, g, beta):
+    """fp32 inputs with one key head per value head, l2-normalised q/k and q scaled by dk^-1/2."""
+    q, k = _expand_heads(q, k, v.shape[1])
+    q = l2norm(q.float()) * q.shape[-1] ** -0.5
+    return q, l2norm(k.float()), v.float(), g.float(), beta.float()
+
+
 def delta_rule_recurrent(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """Gated delta rule, one token at a time (the decode kernel; also the ground truth for the chunked one).
 
@@ -72,10 +79,7 @@ def delta_rule_recurrent(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     q and k are l2-normalised here and q is scaled by dk^-1/2. Returns [L, Hv, dv] in v's dtype.
     """
     out_dtype = v.dtype
-    q, k = _expand_heads(q, k, v.shape[1])
-    q = l2norm(q.float()) * q.shape[-1] ** -0.5
-    k = l2norm(k.float())
-    v, g, beta = v.float(), g.float(), beta.float()
+    q, k, v, g, beta = _delta_rule_inputs(q, k, v, g, beta)
     s = state.clone()
     outs = []
     for t in range(q.shape[0]):
@@ -97,10 +101,7 @@ def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -
     out_dtype = v.dtype
     length = q.shape[0]
     chunk = min(chunk, max(1, length))
-    q, k = _expand_heads(q, k, v.shape[1])
-    q = l2norm(q.float()) * q.shape[-1] ** -0.5
-    k = l2norm(k.float())
-    v, g, beta = v.float(), g.float(), beta.float()
+    q, k, v, g, beta = _delta_rule_inputs(q, k, v, g, beta)
     pad = (-length) % chunk
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))

@@ -20,6 +20,11 @@ from .config import ModelConfig
 SMALL_PIECE = 64
 
 
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Default RoPE inverse frequencies over the rotary part of the head (fp32, CPU)."""
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float) / cfg.rotary_dim))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -171,8 +176,7 @@ class Qwen35(nn.Module):
         self.arena, self.use_fla = arena, use_fla
         max_context = arena["kv"].shape[0]
         device, dtype = arena["hidden"].device, arena["hidden"].dtype
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float) / cfg.rotary_dim))
-        freqs = torch.arange(max_context, dtype=torch.float)[:, None] * inv_freq[None, :]
+        freqs = torch.arange(max_context, dtype=torch.float)[:, None] * rope_inv_freq(cfg)[None, :]
         freqs = torch.cat([freqs, freqs], dim=-1)
         self.rope_cos = freqs.cos().to(device=device, dtype=dtype)
         self.rope_sin = freqs.sin().to(device=device, dtype=dtype)

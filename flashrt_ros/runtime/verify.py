@@ -7,12 +7,12 @@ first index where its continuation departs from A is reported.
 """
 from __future__ import annotations
 
-import time
 
 import torch
 
 from . import rng
 from .engine import Engine
+from .timing import timed
 
 
 def prompt_tokens(vocab_size: int, count: int, stream: str, seed: int = 0) -> list[int]:
@@ -24,16 +24,6 @@ def prompt_tokens(vocab_size: int, count: int, stream: str, seed: int = 0) -> li
 def _continue(engine: Engine, suffix: list[int], gen: int) -> list[int]:
     engine.ingest(suffix)
     return list(engine.generate(gen, stop_token_ids=()))
-
-
-def _timed(fn):
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    result = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return result, 1000.0 * (time.perf_counter() - started)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -51,12 +41,12 @@ def verify(engine: Engine, prefix_len: int, suffix_len: int, gen: int, kv_only: 
 
     engine.reset()
     engine.ingest(prefix)
-    capsule, snapshot_ms = _timed(lambda: engine.snapshot(label="verify"))
+    capsule, snapshot_ms = timed(engine.device, lambda: engine.snapshot(label="verify"))
     a = _continue(engine, suffix, gen)
 
     engine.ingest(dirt[: max(0, engine.max_context - engine.position - gen)])
     list(engine.generate(min(gen, engine.max_context - engine.position), stop_token_ids=()))
-    _, restore_ms = _timed(lambda: engine.restore(capsule.id, verify_checksum=True))
+    _, restore_ms = timed(engine.device, lambda: engine.restore(capsule.id, verify_checksum=True))
     byte_exact = bool(torch.equal(engine.live_bytes(), engine.capsule_bytes(capsule.id)))
     b = _continue(engine, suffix, gen)
 
