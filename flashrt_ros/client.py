@@ -37,6 +37,25 @@ NOT_ACTIVE = 12  # msg/ErrorCode.NOT_ACTIVE: the lifecycle node is not active (y
 _KEPT_STREAMS = 256  # finished streams nobody waited for are forgotten after this many
 
 
+class BackgroundSpinner:
+    """Spins an executor on a daemon thread until :meth:`close` (also a context manager)."""
+
+    def __init__(self, executor):
+        self.executor = executor
+        self._thread = threading.Thread(target=executor.spin, daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float | None = None) -> None:
+        self.executor.shutdown()
+        self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 class ClientError(RuntimeError):
     """The node could not be reached or did not answer in time."""
 
@@ -131,15 +150,13 @@ class FlashRTClient:
         self._tokens = node.create_subscription(TokenChunk, f"{ns}/tokens",
                                                 self._streams.on_chunk, reliable)
         self._last_stamp_ns = 0
-        self._executor = rclpy.executors.SingleThreadedExecutor(context=node.context)
-        self._executor.add_node(node)
-        self._spinner = threading.Thread(target=self._executor.spin, daemon=True)
-        self._spinner.start()
+        executor = rclpy.executors.SingleThreadedExecutor(context=node.context)
+        executor.add_node(node)
+        self._spinner = BackgroundSpinner(executor)
 
     def close(self) -> None:
         """Stop spinning (the node itself stays the caller's to destroy)."""
-        self._executor.shutdown()
-        self._spinner.join()
+        self._spinner.close()
 
     def __enter__(self):
         return self

@@ -46,13 +46,14 @@ class RosClient:
         from rclpy.executors import SingleThreadedExecutor
         from rclpy.node import Node
 
+        from flashrt_ros.client import BackgroundSpinner
+
         self.node = Node(f"test_client_{os.getpid()}_{random.randint(0, 1 << 30)}", context=context)
         self.target = target  # fully qualified name of the flashrt node, e.g. /t/flashrt
         self._clients = {}
-        self._executor = SingleThreadedExecutor(context=context)
-        self._executor.add_node(self.node)
-        self._thread = threading.Thread(target=self._executor.spin, daemon=True)
-        self._thread.start()
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(self.node)
+        self._spinner = BackgroundSpinner(executor)
 
     def wait(self, future, timeout):
         done = threading.Event()
@@ -97,9 +98,8 @@ class RosClient:
         return self.wait(goal_handle.get_result_async(), timeout)
 
     def close(self):
-        self._executor.shutdown()
+        self._spinner.close(5.0)
         self.node.destroy_node()
-        self._thread.join(5.0)
 
 
 @pytest.fixture(scope="module")
@@ -118,20 +118,19 @@ def running_node(context, namespace: str, cli_args=None, **params):
     from rclpy.executors import MultiThreadedExecutor
     from rclpy.parameter import Parameter
 
+    from flashrt_ros.client import BackgroundSpinner
+
     from flashrt_ros.node import EXECUTOR_THREADS, FlashRTNode
 
     node = FlashRTNode(namespace=namespace, context=context, cli_args=cli_args,
                        parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
     executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS, context=context)
     executor.add_node(node)
-    thread = threading.Thread(target=executor.spin, daemon=True)
-    thread.start()
     try:
-        yield node
+        with BackgroundSpinner(executor):
+            yield node
     finally:
-        executor.shutdown()
         node.destroy_node()
-        thread.join(10.0)
 
 
 @pytest.fixture(scope="module")

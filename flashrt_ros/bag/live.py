@@ -27,7 +27,7 @@ from flashrt_ros.bag.record import Recorder, fetch_header
 from flashrt_ros.bag.replay import check_fingerprint
 from flashrt_ros.bag.script import Call
 from flashrt_ros.bag.typestore import typestore
-from flashrt_ros.client import ClientError, FlashRTClient
+from flashrt_ros.client import BackgroundSpinner, ClientError, FlashRTClient
 from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
 
 _RELIABLE = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
@@ -55,13 +55,8 @@ def _spinning_node(name: str):
     with _ros_node(name) as node:
         executor = SingleThreadedExecutor(context=node.context)
         executor.add_node(node)
-        spinner = threading.Thread(target=executor.spin, daemon=True)
-        spinner.start()
-        try:
+        with BackgroundSpinner(executor):
             yield node
-        finally:
-            executor.shutdown()
-            spinner.join()
 
 
 def record_node(target: str, output: Path, storage: str = "mcap", duration: float | None = None,
