@@ -175,9 +175,7 @@ class Generation:
         engine = self._session.engine
         if self._remaining == 0:
             return self._finish(LENGTH)
-        if engine.position >= engine.max_context:
-            return self._finish(CONTEXT_FULL)
-        try:
+        try:  # a full context ends the engine's iterator: StopIteration below (no position read per token)
             if self._iter is None or self._epoch != self._session.epoch:
                 # Any session operation since the last step may have touched the engine: start a fresh
                 # iterator from the committed state (the engine allows stopping one at any boundary).
