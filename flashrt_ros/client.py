@@ -37,6 +37,9 @@ NOT_ACTIVE = 12  # msg/ErrorCode.NOT_ACTIVE: the lifecycle node is not active (y
 _KEPT_STREAMS = 256  # finished streams nobody waited for are forgotten after this many
 
 
+_PROBE_TIMEOUT_S = 2.0
+
+
 class BackgroundSpinner:
     """Spins an executor on a daemon thread until :meth:`close` (also a context manager)."""
 
@@ -179,10 +182,18 @@ class FlashRTClient:
             raise ClientError(f"action server not available after {timeout:.0f} s")
         while (self._observations.get_subscription_count() == 0
                or self._tokens.get_publisher_count() == 0
-               or self.list().error_code == NOT_ACTIVE):
+               or not self._answers_active(min(_PROBE_TIMEOUT_S, left()))):
             if left() == 0.0:
                 raise ClientError(f"node not active with matched topics after {timeout:.0f} s")
             time.sleep(0.1)
+
+    def _answers_active(self, timeout: float) -> bool:
+        """One readiness probe. While discovery is still matching the service's reply topic the node's
+        answer can be lost (rmw: "failed to send response"), so a probe without an answer is retried."""
+        try:
+            return self.call("list_capsules", timeout=timeout).error_code != NOT_ACTIVE
+        except ClientError:
+            return False
 
     # -- futures ---------------------------------------------------------------------------------
     def wait(self, future: Future, timeout: float | None = None):
