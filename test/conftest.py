@@ -15,6 +15,9 @@ os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 os.environ["ROS_LOCALHOST_ONLY"] = "1"
 os.environ.setdefault("ROS_DOMAIN_ID", str(random.randint(1, 100)))
 os.environ["OMP_NUM_THREADS"] = "1"
+# Triton kernels are checked on the CPU through Triton's interpreter; it must be chosen before triton is imported.
+if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 if "torch" in sys.modules:  # imported by a plugin before this file: the variable came too late for it
     sys.modules["torch"].set_num_threads(1)
 

@@ -1,0 +1,19 @@
+"""Triton, when it can be imported. It is optional: without it the reference kernels run everywhere.
+
+On a machine without CUDA, tests set ``TRITON_INTERPRET=1`` before this import, so the Triton kernels run on CPU
+tensors through Triton's interpreter (slowly, for correctness only).
+"""
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+    IMPORT_ERROR = ""
+except Exception as err:  # noqa: BLE001 - any failure (not installed, broken install) means "not available"
+    triton = tl = None
+    IMPORT_ERROR = f"{type(err).__name__}: {err}"
+
+
+def jit(fn):
+    """``triton.jit`` when Triton is importable; otherwise the plain function (never launched)."""
+    return triton.jit(fn) if triton is not None else fn
