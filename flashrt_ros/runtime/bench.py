@@ -45,7 +45,7 @@ def _hf_model(engine: Engine):
                          "partial_rotary_factor": cfg.partial_rotary_factor})
     with torch.device("meta"):
         hf = Qwen3_5ForCausalLM(hf_cfg)
-    weights = {k: v for k, v in engine.model.state_dict().items() if not k.startswith("mtp.")}
+    weights = {k: v for k, v in engine.model.hf_state_dict().items() if not k.startswith("mtp.")}
     if cfg.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     hf.load_state_dict(weights, assign=True, strict=True)

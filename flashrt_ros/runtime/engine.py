@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import operator
 import time
 from collections import deque
@@ -23,15 +24,16 @@ from .checksum import checksum
 from .config import PRESETS
 from .errors import ErrorCode, FlashRTError
 from .graphs import GraphRunner
-from .kernels import fla_available
-from .model import SMALL_PIECE
+from . import kernels as kernel_sets
+from .model import PIECE_BUCKET, SMALL_PIECE
 from .sampler import Sampler, SamplingParams
 from .tokenizer import load_tokenizer
 from .weights import load_model, random_model, weights_digest
 
-PLAN_VERSION = "flashrt-plan-1"
+PLAN_VERSION = "flashrt-plan-2"   # 2: fused projections, padded piece buckets, fixed 64-row delta-rule chunks
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MIN_KV_BUCKET = 256
+_log = logging.getLogger("flashrt.runtime")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +44,8 @@ class EngineConfig:
     max_context: int = 2048
     prefill_chunk: int = 64             # tokens per prefill piece (a power of two)
     cuda_graphs: bool = True
-    use_fla: bool = True                # fla-core chunked kernel for prefill on CUDA when installed
+    use_fla: bool = True                # fla-core chunked kernel for long prefill pieces on CUDA when installed
+    kernels: str = "auto"               # auto | triton | reference (see kernels.select)
     capsule_budget_bytes: int = 256 << 20
     history_depth: int = 32
     checksum_on_snapshot: bool = True
@@ -57,6 +60,8 @@ class EngineConfig:
             raise bad("max_context must be >= 1")
         if self.prefill_chunk < 1 or self.prefill_chunk & (self.prefill_chunk - 1):
             raise bad(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
+        if self.kernels not in kernel_sets.CHOICES:
+            raise bad(f"kernels must be one of {list(kernel_sets.CHOICES)}, got {self.kernels!r}")
         if self.history_depth < 1 or self.capsule_budget_bytes < 0:
             raise bad("history_depth must be >= 1 and capsule_budget_bytes >= 0")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -74,13 +79,20 @@ class _Boundary:
 
 
 def _pieces(count: int, chunk: int) -> list[int]:
-    """Split a prefill into full chunks, then descending powers of two (each piece a fixed-shape bucket)."""
-    out = []
-    while count:
-        piece = chunk if count >= chunk else 1 << (count.bit_length() - 1)
-        out.append(piece)
-        count -= piece
-    return out
+    """Split a prefill into full chunks, then the rest: its multiple of SMALL_PIECE as one eager piece, and what
+    remains (< SMALL_PIECE) as one small piece. The split depends on the length alone, so a capsule at a
+    chunk-aligned position plus a suffix runs exactly the pieces that a cold prefill of the whole runs."""
+    pieces = [chunk] * (count // chunk)
+    rest = count % chunk
+    if rest > SMALL_PIECE:
+        pieces.append(rest - rest % SMALL_PIECE)
+        rest %= SMALL_PIECE
+    return pieces + ([rest] if rest else [])
+
+
+def _piece_bucket(length: int) -> int:
+    """The padded length a small piece runs at (one captured graph per bucket)."""
+    return -(-length // PIECE_BUCKET) * PIECE_BUCKET
 
 
 class Engine:
@@ -101,12 +113,14 @@ class Engine:
                                                            f"{self.model_config.max_position_embeddings} positions")
         self.tokenizer = load_tokenizer(folder)
         self.arena = Arena(buffer_specs(self.model_config, cfg.max_context, dtype), self.device)
-        use_fla = cfg.use_fla and self.device.type == "cuda" and fla_available()
-        self.kernel_name = "fla" if use_fla else "reference"
-        self.model.bind(self.arena, use_fla=use_fla)
+        self.kernels, self.kernel_reason = kernel_sets.select(cfg.kernels, self.device, cfg.use_fla)
+        _log.info("kernels: %s (%s)", self.kernels.name, self.kernel_reason)
+        self.kernel_name = self.kernels.name
+        self.model.bind(self.arena, self.kernels)
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
         self._sampling: SamplingParams | None = None
-        self._tokens = torch.zeros(max(cfg.prefill_chunk, 1), dtype=torch.int64, device=self.device)
+        self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET), dtype=torch.int64, device=self.device)
+        self._count = torch.ones(1, dtype=torch.int64, device=self.device)   # real tokens of a small piece
         self.fingerprint = self._compute_fingerprint(dtype)
         self.store = CapsuleStore(cfg.capsule_budget_bytes)
         self._fixed_span = self.arena.specs["kv"].offset
@@ -116,6 +130,7 @@ class Engine:
         self.live_parent = ""
         self.kv_buckets = self._kv_bucket_sizes()
         self.graphs = GraphRunner(cfg.cuda_graphs and self.device.type == "cuda")
+        self._warm_up()
         if self.graphs.enabled:
             self._capture_graphs()
         self.stats_ttft_ms = 0.0
@@ -157,6 +172,7 @@ class Engine:
                 "decode_tokens_per_s": self.stats_tokens_per_s, "arena_bytes": self.arena_bytes,
                 "capsule_bytes": self.capsule_bytes_used, "capsule_budget_bytes": self.capsule_budget_bytes,
                 "capsule_count": len(self.store.infos()), "kernel": self.kernel_name,
+                "kernel_reason": self.kernel_reason,
                 "cuda_graphs": len(self.graphs.graphs)}
 
     # ---- execution ---------------------------------------------------------------------------------------
@@ -170,8 +186,13 @@ class Engine:
     def _kv_bucket(self, end: int) -> int:
         return next(b for b in self.kv_buckets if b >= end)
 
-    def _feed_step(self, length: int, kv_len: int, dense: bool = False):
-        return lambda: self.model.forward(self._tokens[:length], kv_len, dense)
+    def _piece_step(self, bucket: int, kv_len: int):
+        """A small piece: ``bucket`` tokens of which ``self._count`` are real."""
+        return lambda: self.model.forward(self._tokens[:bucket], kv_len, count=self._count)
+
+    def _piece_buckets(self) -> list[int]:
+        return list(range(PIECE_BUCKET, _piece_bucket(min(SMALL_PIECE, self.config.prefill_chunk)) + 1,
+                          PIECE_BUCKET))
 
     def _decode_step(self, greedy: bool, kv_len: int):
         def step():
@@ -181,32 +202,44 @@ class Engine:
             self.model.forward(self._tokens[:1], kv_len)
         return step
 
+    def _warm_up(self) -> None:
+        """Run one eager long piece, so its kernels compile (Triton JIT, autotuning) before any request. Mutates
+        the arena (reset afterwards)."""
+        length = min(self.config.prefill_chunk, self.config.max_context) // SMALL_PIECE * SMALL_PIECE
+        if length > SMALL_PIECE:
+            self._tokens[:length].zero_()
+            self.model.forward(self._tokens[:length], length, dense=True)
+
     def _capture_graphs(self) -> None:
-        """Capture decode (greedy and sampled) and small prefill pieces for every KV bucket. Mutates the arena.
+        """Capture decode (greedy and sampled) and every small-piece bucket for every KV bucket, after the eager
+        warm-up has compiled their kernels. Mutates the arena.
 
         Larger pieces run eagerly: they are compute-bound, so a graph would save nothing measurable."""
         def prepare():
             self.arena.storage.zero_()
             self._tokens.zero_()
+            self._count.fill_(1)
         for kv_len in self.kv_buckets:
             for greedy in (True, False):
                 self.graphs.capture(("decode", greedy, kv_len), self._decode_step(greedy, kv_len), prepare)
-            length = 1
-            while length <= min(SMALL_PIECE, self.config.prefill_chunk, kv_len):
-                self.graphs.capture(("feed", length, kv_len), self._feed_step(length, kv_len), prepare)
-                length *= 2
+            for bucket in self._piece_buckets():
+                self.graphs.capture(("piece", bucket, kv_len), self._piece_step(bucket, kv_len), prepare)
         torch.cuda.synchronize(self.device)
 
     def _feed(self, start: int, token_ids: Sequence[int]) -> None:
         offset = 0
         for length in _pieces(len(token_ids), self.config.prefill_chunk):
-            self._tokens[:length].copy_(torch.tensor(token_ids[offset:offset + length], dtype=torch.int64))
             end = start + offset + length
             if length <= SMALL_PIECE:
+                bucket = _piece_bucket(length)
                 kv_len = self._kv_bucket(end)
-                self.graphs.run(("feed", length, kv_len), self._feed_step(length, kv_len))
+                padded = token_ids[offset:offset + length] + [0] * (bucket - length)
+                self._tokens[:bucket].copy_(torch.tensor(padded, dtype=torch.int64), non_blocking=True)
+                self._count.fill_(length)
+                self.graphs.run(("piece", bucket, kv_len), self._piece_step(bucket, kv_len))
             else:
-                self._feed_step(length, end, dense=True)()
+                self._tokens[:length].copy_(torch.tensor(token_ids[offset:offset + length], dtype=torch.int64))
+                self.model.forward(self._tokens[:length], end, dense=True)
             offset += length
 
     # ---- history for rollback(steps=k) --------------------------------------------------------------------
@@ -475,6 +508,6 @@ class Engine:
     def _compute_fingerprint(self, dtype: torch.dtype) -> str:
         identity = {"weights": weights_digest(self.model), "config": self.model_config.to_json(),
                     "manifest": self.arena.manifest_json(), "dtype": str(dtype), "plan": PLAN_VERSION,
-                    "kernel": self.kernel_name, "device_type": self.device.type,
+                    "kernels": self.kernel_name, "device_type": self.device.type,
                     "prefill_chunk": self.config.prefill_chunk}
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

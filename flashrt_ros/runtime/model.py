@@ -10,19 +10,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
 from .arena import LAST_TOKEN, POSITION, Arena
 from .config import ModelConfig
+from .kernels import KernelSet
 
 
-# Prefill pieces up to this length are graph-captured on CUDA and always use the reference delta-rule kernel, so
-# graph-captured and eager runs compute the same bytes; longer pieces may use fla-core.
+# Prefill pieces up to this length run as one graph replay on CUDA, padded to a multiple of PIECE_BUCKET; the
+# padding rows are masked out of every state write, so the arena ends byte-identical to an unpadded run. Longer
+# pieces run eagerly over exactly the live span (and may use fla-core's chunked delta rule).
 SMALL_PIECE = 64
+PIECE_BUCKET = 8
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Default RoPE inverse frequencies over the rotary part of the head (fp32, CPU)."""
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float) / cfg.rotary_dim))
+
+
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenation of ``parts``' outputs (one GEMM instead of several)."""
+    weight = torch.cat([p.weight.data for p in parts], dim=0)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    return fused
 
 
 class RMSNorm(nn.Module):
@@ -32,19 +42,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.scale: torch.Tensor | None = None   # (1 + weight) in fp32, computed once by Qwen35.bind
 
-    def forward(self, x):
-        return kernels.rms_norm(x, self.scale, self.eps)
-
 
 class MLP(nn.Module):
+    """SwiGLU. HF's gate_proj and up_proj load as such, then :meth:`fuse` makes them one ``gate_up_proj``."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse(self) -> None:
+        self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x, kernels):
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class GatedDeltaNet(nn.Module):
@@ -63,23 +76,23 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight = nn.Parameter(torch.ones(cfg.linear_value_head_dim))
         self.out_proj = nn.Linear(cfg.linear_value_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, conv_state, recurrent_state, use_fla: bool):
+    def fuse(self) -> None:
+        """in_proj = [qkv | z | b | a]: the four projections of the layer input as one GEMM."""
+        self.in_proj = _fused_linear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def forward(self, x, conv_state, recurrent_state, count, dense: bool, kernels):
         cfg, length = self.cfg, x.shape[0]
-        mixed = kernels.causal_conv(self.in_proj_qkv(x), conv_state, self.conv1d.weight[:, 0, :])
+        heads, head_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        mixed, z, b, a = self.in_proj(x).split([cfg.conv_dim, cfg.linear_value_dim, heads, heads], dim=-1)
+        mixed = kernels.causal_conv(mixed, conv_state, self.conv1d.weight[:, 0, :], count)
         q, k, v = mixed.split([cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
-        q = q.reshape(length, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-        k = k.reshape(length, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-        v = v.reshape(length, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        if length == 1:
-            core = kernels.delta_rule_recurrent(q, k, v, g, beta, recurrent_state)
-        elif use_fla and length > SMALL_PIECE:
-            core = kernels.delta_rule_fla(q, k, v, g, beta, recurrent_state)
-        else:
-            core = kernels.delta_rule_chunked(q, k, v, g, beta, recurrent_state)
-        z = self.in_proj_z(x).reshape(length, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-        core = kernels.gated_rms_norm(core, z, self.norm.weight, cfg.rms_norm_eps)
+        q = q.unflatten(-1, (cfg.linear_num_key_heads, cfg.linear_key_head_dim))
+        k = k.unflatten(-1, (cfg.linear_num_key_heads, cfg.linear_key_head_dim))
+        v = v.unflatten(-1, (heads, head_dim))
+        delta_rule = kernels.delta_rule_long if dense else kernels.gated_delta_rule
+        core = delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, count)
+        core = kernels.gated_rms_norm(core, z.unflatten(-1, (heads, head_dim)), self.norm.weight, cfg.rms_norm_eps)
         return self.out_proj(core.reshape(length, cfg.linear_value_dim))
 
 
@@ -95,24 +108,37 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, kv_cache, kv_len: int, dense: bool):
+    def fuse(self) -> None:
+        """qkv_proj = [query+gate | key | value]: one GEMM."""
+        self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def write_kv(self, x, cos, sin, positions, kv_cache, count, kernels):
+        """Project x, write its normalised, rotated keys and its values into ``kv_cache`` at ``positions`` (rows
+        below ``count``); return the rotated queries [L, H, D] and the output gate [L, H, D]."""
+        cfg, length = self.cfg, x.shape[0]
+        heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        query_gate, k, v = self.qkv_proj(x).split([heads * dim * 2, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, gate = query_gate.view(length, heads, 2 * dim).chunk(2, dim=-1)
+        q = kernels.qk_norm_rope_kv_write(q, k.view(length, kv_heads, dim), v.view(length, kv_heads, dim),
+                                          self.q_norm.scale, self.k_norm.scale, cfg.rms_norm_eps, cos, sin,
+                                          kv_cache, positions, count)
+        return q, gate
+
+    def forward(self, x, cos, sin, positions, kv_cache, kv_len: int, count, dense: bool, kernels):
         """kv_cache: this layer's [max_context, 2, Hkv, D] slice of the arena's position-major KV buffer.
 
-        ``dense``: the queries are exactly the last L of ``kv_len`` positions (an eager prefill chunk), so attention
+        ``dense``: the queries are exactly the last L of ``kv_len`` positions (an eager prefill piece), so attention
         uses a flash kernel with an implicit causal bias; otherwise ``kv_len`` is a bucket and attention is masked.
         """
-        cfg, length = self.cfg, x.shape[0]
-        q, gate = self.q_proj(x).view(length, cfg.num_attention_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
-        q = kernels.apply_rope(self.q_norm(q), cos, sin)
-        k = kernels.apply_rope(self.k_norm(self.k_proj(x).view(length, cfg.num_key_value_heads, cfg.head_dim)),
-                               cos, sin)
-        v = self.v_proj(x).view(length, cfg.num_key_value_heads, cfg.head_dim)
-        kv_cache[:, 0].index_copy_(0, positions, k)
-        kv_cache[:, 1].index_copy_(0, positions, v)
-        attend = kernels.attention_causal if dense else kernels.attention_masked
-        out = attend(q, kv_cache[:kv_len, 0], kv_cache[:kv_len, 1], *(() if dense else (positions,)))
-        out = out.reshape(length, -1) * torch.sigmoid(gate.reshape(length, -1))
-        return self.o_proj(out)
+        length = x.shape[0]
+        q, gate = self.write_kv(x, cos, sin, positions, kv_cache, count, kernels)
+        keys, values = kv_cache[:kv_len, 0], kv_cache[:kv_len, 1]
+        if dense:
+            out = kernels.attention_prefill(q, keys, values)
+        else:
+            out = kernels.attention_decode(q, keys, values, positions)
+        return self.o_proj((out * torch.sigmoid(gate)).reshape(length, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -126,10 +152,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, mixer_out):
-        x = x + mixer_out
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class TextModel(nn.Module):
@@ -162,18 +184,47 @@ class Qwen35(nn.Module):
         if cfg.mtp_num_hidden_layers:
             self.mtp = MTPHead(cfg)
         self.arena: Arena | None = None
-        self.use_fla = False
+        self.kernels: KernelSet | None = None
+
+    def fuse_projections(self) -> None:
+        """Concatenate the weights of projections that read the same input (after loading HF-named weights)."""
+        for module in list(self.modules()):
+            if isinstance(module, (MLP, GatedDeltaNet, Attention)):
+                module.fuse()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under HF checkpoint names (fused projections split back into views; nothing copied)."""
+        cfg, out = self.cfg, {}
+        splits = {"linear_attn.in_proj": (["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"],
+                                          [cfg.conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads,
+                                           cfg.linear_num_value_heads]),
+                  "mlp.gate_up_proj": (["gate_proj", "up_proj"], [cfg.intermediate_size] * 2),
+                  "self_attn.qkv_proj": (["q_proj", "k_proj", "v_proj"],
+                                         [2 * cfg.num_attention_heads * cfg.head_dim,
+                                          cfg.num_key_value_heads * cfg.head_dim,
+                                          cfg.num_key_value_heads * cfg.head_dim])}
+        for name, tensor in self.state_dict().items():
+            fused = next((f for f in splits if name.endswith(f"{f}.weight")), None)
+            if fused is None:
+                out[name] = tensor
+                continue
+            names, sizes = splits[fused]
+            prefix = name[:-len(f"{fused.split('.')[-1]}.weight")]
+            for part, piece in zip(names, tensor.split(sizes, dim=0)):
+                out[f"{prefix}{part}.weight"] = piece
+        return out
 
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
-    def bind(self, arena: Arena, use_fla: bool = False) -> None:
-        """Attach the arena; build the static RoPE tables (one row per position) and the fp32 norm scales."""
+    def bind(self, arena: Arena, kernels: KernelSet) -> None:
+        """Attach the arena and the kernel set; build the static RoPE tables (one row per position) and the fp32
+        norm scales."""
         cfg = self.cfg
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.scale = 1.0 + module.weight.float()
-        self.arena, self.use_fla = arena, use_fla
+        self.arena, self.kernels = arena, kernels
         max_context = arena["kv"].shape[0]
         device, dtype = arena["hidden"].device, arena["hidden"].dtype
         freqs = torch.arange(max_context, dtype=torch.float)[:, None] * rope_inv_freq(cfg)[None, :]
@@ -186,40 +237,55 @@ class Qwen35(nn.Module):
         """Next-token logits (fp32) from the last hidden state in the arena."""
         return F.linear(self.arena["hidden"], self.output_weight()).float()
 
-    def forward(self, tokens: torch.Tensor, kv_len: int, dense: bool = False) -> None:
-        """Append ``tokens`` [L] to the stream: update every state buffer, the last hidden state and the position.
+    def forward(self, tokens: torch.Tensor, kv_len: int, count: torch.Tensor | None = None,
+                dense: bool = False) -> None:
+        """Append tokens to the stream: update every state buffer, the last hidden state and the position.
 
-        ``kv_len`` bounds the attention span: a bucket >= position + L (it selects a graph, not a result), or with
-        ``dense`` exactly position + L (eager prefill chunks).
+        ``tokens`` [L]; ``count`` (a 1-element int64 device tensor) says how many of them are real: the rest pad a
+        fixed-size bucket and touch no state. None means all L. ``kv_len`` bounds the attention span: a bucket
+        >= position + L (it selects a graph, not a result), or with ``dense`` exactly position + L (eager pieces).
         """
         arena, cfg = self.arena, self.cfg
+        kernels = self.kernels
         meta = arena["meta"]
         length = tokens.shape[0]
-        positions = meta[POSITION] + self.offsets[:length]
+        eps = cfg.rms_norm_eps
+        positions = (meta[POSITION] + self.offsets[:length]).clamp_max(self.offsets.shape[0] - 1)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         embeds = self.model.embed_tokens(tokens)
+        layers = self.model.layers
         x = embeds
+        h = kernels.rms_norm(x, layers[0].input_layernorm.scale, eps)
         linear_idx = attn_idx = 0
-        for layer in self.model.layers:
-            h = layer.input_layernorm(x)
+        for index, layer in enumerate(layers):
             if layer.is_linear:
-                mixed = layer.linear_attn(h, arena["conv"][linear_idx], arena["recurrent"][linear_idx], self.use_fla)
+                mixed = layer.linear_attn(h, arena["conv"][linear_idx], arena["recurrent"][linear_idx], count, dense,
+                                          kernels)
                 linear_idx += 1
             else:
-                mixed = layer.self_attn(h, cos, sin, positions, arena["kv"][:, attn_idx], kv_len, dense)
+                mixed = layer.self_attn(h, cos, sin, positions, arena["kv"][:, attn_idx], kv_len, count, dense,
+                                        kernels)
                 attn_idx += 1
-            x = layer(x, mixed)
-        hidden = self.model.norm(x)
+            h, x = kernels.add_rms_norm(mixed, x, layer.post_attention_layernorm.scale, eps)
+            following = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.model.norm
+            h, x = kernels.add_rms_norm(layer.mlp(h, kernels), x, following.scale, eps)
+        hidden = h                                            # the final norm's output
         if cfg.mtp_num_hidden_layers:
-            self._mtp_forward(embeds, hidden, cos, sin, positions, kv_len, dense)
-        arena["hidden"].copy_(hidden[-1])
-        meta[LAST_TOKEN] = tokens[-1]
-        meta[POSITION] += length
+            self._mtp_forward(embeds, hidden, cos, sin, positions, count, kernels)
+        last = slice(length - 1, length) if count is None else count - 1
+        arena["hidden"].copy_(hidden[last][0])
+        meta[LAST_TOKEN:LAST_TOKEN + 1].copy_(tokens[last])
+        meta[POSITION] += length if count is None else count[0]
 
-    def _mtp_forward(self, embeds, hidden, cos, sin, positions, kv_len: int, dense: bool) -> None:
-        """Advance the MTP head's KV: the pair at position p is (hidden state before token p, embedding of token p)."""
-        mtp = self.mtp
+    def _mtp_forward(self, embeds, hidden, cos, sin, positions, count, kernels) -> None:
+        """Advance the MTP head's KV: the pair at position p is (hidden state before token p, embedding of token p).
+
+        Only the KV write is state; the head's attention output feeds speculative decoding (a later issue), so it
+        is not computed."""
+        mtp, eps = self.mtp, self.cfg.rms_norm_eps
         previous = torch.cat([self.arena["hidden"][None], hidden[:-1]], dim=0)
-        x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(embeds), mtp.pre_fc_norm_hidden(previous)], dim=-1))
-        layer = mtp.layers[0]  # only its KV write is state; its output feeds speculative decoding (a later issue)
-        layer.self_attn(layer.input_layernorm(x), cos, sin, positions, self.arena["mtp_kv"][:, 0], kv_len, dense)
+        x = mtp.fc(torch.cat([kernels.rms_norm(embeds, mtp.pre_fc_norm_embedding.scale, eps),
+                              kernels.rms_norm(previous, mtp.pre_fc_norm_hidden.scale, eps)], dim=-1))
+        layer = mtp.layers[0]
+        layer.self_attn.write_kv(kernels.rms_norm(x, layer.input_layernorm.scale, eps), cos, sin, positions,
+                                 self.arena["mtp_kv"][:, 0], count, kernels)

@@ -53,6 +53,7 @@ def random_model(preset: str, device: torch.device, dtype: torch.dtype, seed: in
     with torch.no_grad():
         for name, param in model.named_parameters():
             _fill_random(name, param.data, seed)
+    model.fuse_projections()
     return model
 
 
@@ -111,6 +112,7 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype) -> Qwen35
     if missing:
         raise FlashRTError(ErrorCode.LOAD_FAILED, f"{folder}: checkpoint lacks {len(missing)} tensor(s), e.g. "
                                                   f"{missing[:3]}")
+    model.fuse_projections()
     return model
 
 

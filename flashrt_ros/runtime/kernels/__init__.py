@@ -1,14 +1,98 @@
 """The runtime's kernels: per operation one reference function (plain PyTorch, the CPU path and the oracle) and,
-beside it in the same module, one fast kernel with the same contract.
+beside it in the same module, one fast kernel with the same contract. :func:`select` picks the set, in one place.
 
 Every function writes its recurrent outputs into caller-owned buffers (``copy_`` or in-place stores), never
 rebinding them, so the same code runs eagerly on the CPU and inside captured CUDA graphs over the arena.
 """
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import torch
+
+from . import _interim
+from ._triton import IMPORT_ERROR, triton
 from .attention import attention_causal, attention_masked
 from .conv import causal_conv
 from .delta_rule import delta_rule_chunked, delta_rule_fla, delta_rule_recurrent, fla_available
 from .norms import gated_rms_norm, l2norm, rms_norm
 from .rope import apply_rope
 
-__all__ = ["apply_rope", "attention_causal", "attention_masked", "causal_conv", "delta_rule_chunked",
-           "delta_rule_fla", "delta_rule_recurrent", "fla_available", "gated_rms_norm", "l2norm", "rms_norm"]
+__all__ = ["KernelSet", "REFERENCE", "apply_rope", "attention_causal", "attention_masked", "causal_conv",
+           "delta_rule_chunked", "delta_rule_fla", "delta_rule_recurrent", "fla_available", "gated_rms_norm",
+           "l2norm", "rms_norm", "select"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSet:
+    """The functions the model calls, by operation. ``name`` goes into the fingerprint and /diagnostics."""
+    name: str
+    rms_norm: Callable
+    add_rms_norm: Callable
+    gated_rms_norm: Callable
+    silu_mul: Callable
+    causal_conv: Callable
+    qk_norm_rope_kv_write: Callable
+    gated_delta_rule: Callable     # decode and pieces <= SMALL_PIECE (graph-captured on CUDA)
+    delta_rule_long: Callable      # eager pieces > SMALL_PIECE
+    attention_decode: Callable     # queries at arbitrary positions over a KV bucket
+    attention_prefill: Callable    # queries that are the last L of exactly T positions
+
+
+REFERENCE = KernelSet(
+    name="reference", rms_norm=rms_norm, add_rms_norm=_interim.add_rms_norm, gated_rms_norm=gated_rms_norm,
+    silu_mul=_interim.silu_mul, causal_conv=_interim.causal_conv,
+    qk_norm_rope_kv_write=_interim.qk_norm_rope_kv_write, gated_delta_rule=_interim.gated_delta_rule,
+    delta_rule_long=_interim.gated_delta_rule, attention_decode=attention_masked, attention_prefill=attention_causal)
+
+
+def _with_fla(kernels: KernelSet) -> KernelSet:
+    return dataclasses.replace(kernels, name=f"{kernels.name}+fla", delta_rule_long=_interim.delta_rule_fla_gated)
+
+
+CHOICES = ("auto", "triton", "reference")
+
+
+def select(choice: str, device: torch.device, use_fla: bool) -> tuple[KernelSet, str]:
+    """The kernel set for ``device`` and why. ``auto``: Triton where a start-up probe compiles and runs a kernel
+    on the device and matches the reference, else the reference. ``triton`` insists (raises if it cannot run);
+    on the CPU it needs Triton's interpreter (TRITON_INTERPRET=1, for tests)."""
+    if choice not in CHOICES:
+        raise ValueError(f"kernels must be one of {CHOICES}, got {choice!r}")
+    fla = use_fla and device.type == "cuda" and fla_available()
+    chosen, reason = REFERENCE, "reference kernels requested"
+    if choice != "reference":
+        failure = _probe_triton(device)
+        if failure is None:
+            chosen, reason = TRITON, "triton probe passed"
+        elif choice == "triton":
+            raise RuntimeError(f"triton kernels requested but unusable: {failure}")
+        else:
+            reason = f"reference kernels: {failure}"
+    return (_with_fla(chosen) if fla else chosen), reason
+
+
+def _probe_triton(device: torch.device) -> str | None:
+    """None when a small Triton kernel compiles, runs on ``device`` and matches its reference; else why not."""
+    if triton is None:
+        return f"triton is not importable ({IMPORT_ERROR})"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "triton runs on the CPU only through its interpreter (TRITON_INTERPRET=1)"
+    try:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(4, 64, generator=generator).to(device)
+        scale = (1.0 + 0.1 * torch.randn(64, generator=generator)).to(device)
+        got = TRITON.rms_norm(x, scale, 1e-6)
+        want = rms_norm(x, scale, 1e-6)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            return "triton probe kernel ran but disagreed with the reference"
+    except Exception as err:  # noqa: BLE001 - e.g. ptxas cannot build for this GPU (Jetson Thor sm_110)
+        return f"triton probe failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+TRITON = REFERENCE  # replaced below once the fast kernels are wired in
