@@ -45,7 +45,7 @@ REFERENCE = KernelSet(
     name="reference", rms_norm=rms_norm, add_rms_norm=_interim.add_rms_norm, gated_rms_norm=gated_rms_norm,
     silu_mul=_interim.silu_mul, causal_conv=_interim.causal_conv,
     qk_norm_rope_kv_write=_interim.qk_norm_rope_kv_write, gated_delta_rule=_interim.gated_delta_rule,
-    delta_rule_long=_interim.gated_delta_rule, attention_decode=attention_masked, attention_prefill=attention_causal)
+    delta_rule_long=_interim.delta_rule_long, attention_decode=attention_masked, attention_prefill=attention_causal)
 
 
 def _with_fla(kernels: KernelSet) -> KernelSet:

@@ -51,13 +51,27 @@ def _gates(a, b, A_log, dt_bias, count):
 
 
 def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, count=None):
+    """Recurrent over the rows; rows >= count keep the state bit for bit (torch.where, not arithmetic: -0.0 + 0.0
+    would flip a sign bit)."""
+    from .delta_rule import _delta_rule_inputs
     g, beta = _gates(a, b, A_log, dt_bias, count)
-    if count is not None:
-        real = (torch.arange(q.shape[0], device=q.device) < count)
-        g, beta = g * real[:, None], beta * real[:, None]
-        q, k, v = (t * real[:, None, None].to(t.dtype) for t in (q, k, v))
-    if q.shape[0] == 1:
-        return delta_rule_recurrent(q, k, v, g, beta, state)
+    out_dtype = v.dtype
+    q, k, v, g, beta = _delta_rule_inputs(q, k, v, g, beta)
+    real = torch.ones(q.shape[0], dtype=torch.bool, device=q.device) if count is None else \
+        torch.arange(q.shape[0], device=q.device) < count
+    s = state.clone()
+    outs = []
+    for t in range(q.shape[0]):
+        decayed = s * g[t].exp()[:, None, None]
+        delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], decayed)) * beta[t][:, None]
+        s = torch.where(real[t], decayed + k[t][:, :, None] * delta[:, None, :], s)
+        outs.append(torch.einsum("hk,hkv->hv", q[t], s))
+    state.copy_(s)
+    return torch.stack(outs).to(out_dtype)
+
+
+def delta_rule_long(q, k, v, a, b, A_log, dt_bias, state, count=None):
+    g, beta = _gates(a, b, A_log, dt_bias, count)
     return delta_rule_chunked(q, k, v, g, beta, state)
 
 
