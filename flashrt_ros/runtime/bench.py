@@ -9,6 +9,7 @@ import statistics
 
 import torch
 
+from . import floors
 from .checksum import checksum
 from .engine import Engine
 from .model import rope_inv_freq
@@ -128,6 +129,7 @@ def bench_context(engine: Engine, context: int, repeats: int, decode_tokens: int
     row["snapshot_over_floor"] = row["snapshot_p50_ms"] / row["copy_floor_p50_ms"]
     row["restore_over_floor"] = row["restore_p50_ms"] / row["copy_floor_p50_ms"]
     row["ttft_speedup"] = row["cold_ttft_ms"] / row["capsule_ttft_ms"]
+    row.update(_decode_floors(engine, context, row["decode_ms_per_token"], repeats))
     if compare_hf:
         row.update(_hf_figures(engine, prefix + suffix, max(3, repeats // 4)))
         row["cold_ttft_over_hf"] = row["cold_ttft_ms"] / row["hf_cold_ttft_ms"]
@@ -135,10 +137,48 @@ def bench_context(engine: Engine, context: int, repeats: int, decode_tokens: int
     return row
 
 
+def _decode_floors(engine: Engine, context: int, decode_ms: float, repeats: int) -> dict:
+    """Decode against the bandwidth floor and the GEMV-only graph, both measured now on this device."""
+    moved = floors.decode_bytes(engine, context)
+    bandwidth = floors.copy_bandwidth_bytes_per_s(engine.device)
+    out = {**moved, "copy_bandwidth_gb_s": bandwidth / 1e9,
+           "decode_floor_ms": 1000.0 * moved["total_bytes"] / bandwidth}
+    out["decode_over_floor"] = decode_ms / out["decode_floor_ms"]
+    gemv_ms = floors.gemv_graph_ms(engine, repeats)
+    if gemv_ms is not None:
+        out["gemv_graph_ms"] = gemv_ms
+        out["decode_over_gemv_graph"] = decode_ms / gemv_ms
+    return out
+
+
+def cold_prefill_profile(engine: Engine, context: int, top: int = 12) -> list[dict]:
+    """The device-time top entries of one cold prefill of ``context`` tokens (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = prompt_tokens(engine.vocab_size, context, "bench-prefix")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_is_cuda(engine) else [])
+    engine.reset()
+    engine.ingest(prompt)                                           # warm
+    engine.reset()
+    with profile(activities=activities) as prof:
+        engine.ingest(prompt)
+        engine.peek_token()
+    engine.reset()
+    attr = "device_time_total" if device_is_cuda(engine) else "cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr, 0.0), reverse=True)[:top]
+    return [{"name": e.key, "ms": getattr(e, attr, 0.0) / 1000.0, "calls": e.count} for e in events]
+
+
+def device_is_cuda(engine: Engine) -> bool:
+    return engine.device.type == "cuda"
+
+
 COLUMNS = [("context", "{}"), ("capsule_bytes", "{:,}"), ("snapshot_p50_ms", "{:.3f}"), ("snapshot_p99_ms", "{:.3f}"),
            ("restore_p50_ms", "{:.3f}"), ("restore_p99_ms", "{:.3f}"), ("copy_floor_p50_ms", "{:.3f}"),
            ("restore_over_floor", "{:.2f}"), ("checksum_p50_ms", "{:.3f}"), ("cold_ttft_ms", "{:.2f}"), ("capsule_ttft_ms", "{:.2f}"),
-           ("ttft_speedup", "{:.1f}x"), ("decode_ms_per_token", "{:.2f}"), ("hf_cold_ttft_ms", "{:.2f}"),
+           ("ttft_speedup", "{:.1f}x"), ("decode_ms_per_token", "{:.2f}"), ("decode_floor_ms", "{:.3f}"),
+           ("decode_over_floor", "{:.2f}"), ("gemv_graph_ms", "{:.3f}"), ("decode_over_gemv_graph", "{:.2f}"),
+           ("hf_cold_ttft_ms", "{:.2f}"),
            ("hf_decode_step_ms", "{:.2f}")]
 
 

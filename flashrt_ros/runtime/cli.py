@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from .bench import bench_context, markdown_table
+from .bench import bench_context, cold_prefill_profile, markdown_table
 from .engine import Engine, EngineConfig
 from .errors import FlashRTError
 from .sampler import SamplingParams
@@ -21,6 +21,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None)
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--no-fla", action="store_true", help="use the reference delta-rule kernel on CUDA")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "triton", "reference"],
+                        help="kernel set (auto: Triton where a start-up probe passes)")
     parser.add_argument("--capsule-budget-mb", type=int, default=None)
     parser.add_argument("--weights-seed", type=int, default=0, help="weights seed for presets")
 
@@ -28,7 +30,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
 def _config(args, max_context: int, chunk: int, budget_mb: int, checksum: bool = True) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         max_context=args.max_context or max_context, prefill_chunk=args.prefill_chunk or chunk,
-                        cuda_graphs=not args.no_cuda_graphs, use_fla=not args.no_fla,
+                        cuda_graphs=not args.no_cuda_graphs, use_fla=not args.no_fla, kernels=args.kernels,
                         capsule_budget_bytes=(args.capsule_budget_mb or budget_mb) << 20, seed=args.weights_seed,
                         checksum_on_snapshot=checksum)
 
@@ -63,8 +65,12 @@ def cmd_bench(args) -> dict:
     engine = Engine(_config(args, max(contexts) + 24 + args.decode_tokens + 8, 16384,
                             8192, checksum=False))
     rows = [bench_context(engine, c, args.repeats, args.decode_tokens, args.compare_hf) for c in contexts]
-    result = {"model": args.model, "device": args.device, "dtype": args.dtype, "kernel": engine.kernel_name,
-              "cuda_graphs": len(engine.graphs.graphs), "arena_bytes": engine.arena_bytes, "rows": rows}
+    result = {"model": args.model, "device": args.device, "dtype": args.dtype, "kernels": engine.kernel_name,
+              "kernel_reason": engine.kernel_reason, "cuda_graphs": len(engine.graphs.graphs),
+              "arena_bytes": engine.arena_bytes, "rows": rows}
+    if args.profile:
+        result["cold_prefill_profile"] = {"context": max(contexts),
+                                          "top": cold_prefill_profile(engine, max(contexts))}
     print(markdown_table(rows), file=sys.stderr)
     if args.out:
         with open(args.out, "w") as f:
@@ -99,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--repeats", type=int, default=20)
     ben.add_argument("--decode-tokens", type=int, default=32)
     ben.add_argument("--compare-hf", action="store_true", help="also time transformers on the same weights")
+    ben.add_argument("--profile", action="store_true", help="also profile one cold prefill at the largest context")
     ben.add_argument("--out", help="write the JSON result here too")
     ben.set_defaults(func=cmd_bench)
     return parser
