@@ -25,6 +25,7 @@ from .config import PRESETS
 from .errors import ErrorCode, FlashRTError
 from .graphs import GraphRunner
 from . import kernels as kernel_sets
+from . import platform, quant
 from .model import PIECE_BUCKET, SMALL_PIECE
 from .sampler import Sampler, SamplingParams
 from .tokenizer import load_tokenizer
@@ -46,7 +47,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     use_fla: bool = True                # fla-core chunked kernel for long prefill pieces on CUDA when installed
     kernels: str = "auto"               # auto | triton | reference (see kernels.select)
+    weights_format: str = "dense"       # dense | fp8 | nvfp4 (see quant.py)
+    weights_exclude: tuple[str, ...] = ()   # fnmatch patterns of projections kept dense (``lm_head``: the LM head)
     capsule_budget_bytes: int = 256 << 20
+    capsule_budget_fraction: float = 0.0    # > 0: cap the budget at this share of MemAvailable (host-memory devices)
     history_depth: int = 32
     checksum_on_snapshot: bool = True
     seed: int = 0
@@ -64,6 +68,10 @@ class EngineConfig:
             raise bad(f"kernels must be one of {list(kernel_sets.CHOICES)}, got {self.kernels!r}")
         if self.history_depth < 1 or self.capsule_budget_bytes < 0:
             raise bad("history_depth must be >= 1 and capsule_budget_bytes >= 0")
+        if self.weights_format not in quant.FORMATS:
+            raise bad(f"weights_format must be one of {list(quant.FORMATS)}, got {self.weights_format!r}")
+        if not 0.0 <= self.capsule_budget_fraction <= 1.0:
+            raise bad(f"capsule_budget_fraction must be in [0, 1], got {self.capsule_budget_fraction}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise FlashRTError(ErrorCode.LOAD_FAILED, f"device {self.device!r} requested but CUDA is not available")
         return self
@@ -102,10 +110,13 @@ class Engine:
         self.device = torch.device(cfg.device)
         dtype = _DTYPES[cfg.dtype]
         folder = None if cfg.model in PRESETS else Path(cfg.model)
+        self.platform = platform.probe(self.device, dtype)     # raises LOAD_FAILED if the device cannot compute
         if folder is None:
             self.model = random_model(cfg.model, self.device, dtype, cfg.seed)
         else:
             self.model = load_model(folder, self.device, dtype)
+        self.weights_format = quant.quantize_model(self.model, cfg.weights_format, cfg.weights_exclude,
+                                                   use_triton=self.platform.quant_triton)
         self.model.eval().requires_grad_(False)
         self.model_config = self.model.cfg
         if cfg.max_context > self.model_config.max_position_embeddings:
@@ -122,7 +133,8 @@ class Engine:
         self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET), dtype=torch.int64, device=self.device)
         self._count = torch.ones(1, dtype=torch.int64, device=self.device)   # real tokens of a small piece
         self.fingerprint = self._compute_fingerprint(dtype)
-        self.store = CapsuleStore(cfg.capsule_budget_bytes)
+        self.store = CapsuleStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
+                                                                self.platform))
         self._fixed_span = self.arena.specs["kv"].offset
         self._history = torch.zeros(cfg.history_depth, self._fixed_span, dtype=torch.uint8, device=self.device)
         self._boundaries: deque[_Boundary] = deque()          # oldest first
@@ -172,8 +184,8 @@ class Engine:
                 "decode_tokens_per_s": self.stats_tokens_per_s, "arena_bytes": self.arena_bytes,
                 "capsule_bytes": self.capsule_bytes_used, "capsule_budget_bytes": self.capsule_budget_bytes,
                 "capsule_count": len(self.store.infos()), "kernel": self.kernel_name,
-                "kernel_reason": self.kernel_reason,
-                "cuda_graphs": len(self.graphs.graphs)}
+                "kernel_reason": self.kernel_reason, "weights_format": self.weights_format,
+                "cuda_graphs": len(self.graphs.graphs), **self.platform.diagnostics()}
 
     # ---- execution ---------------------------------------------------------------------------------------
     def _kv_bucket_sizes(self) -> list[int]:
@@ -509,5 +521,5 @@ class Engine:
         identity = {"weights": weights_digest(self.model), "config": self.model_config.to_json(),
                     "manifest": self.arena.manifest_json(), "dtype": str(dtype), "plan": PLAN_VERSION,
                     "kernels": self.kernel_name, "device_type": self.device.type,
-                    "prefill_chunk": self.config.prefill_chunk}
+                    "prefill_chunk": self.config.prefill_chunk, "weights_format": self.weights_format}
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

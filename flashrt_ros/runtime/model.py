@@ -234,7 +234,11 @@ class Qwen35(nn.Module):
         self.offsets = torch.arange(max_context, device=device)
 
     def logits(self) -> torch.Tensor:
-        """Next-token logits (fp32) from the last hidden state in the arena."""
+        """Next-token logits (fp32) from the last hidden state in the arena (through the quantized LM head that
+        ``quant.quantize_model`` sets, if any)."""
+        head = getattr(self, "quantized_head", None)
+        if head is not None:
+            return head(self.arena["hidden"]).float()
         return F.linear(self.arena["hidden"], self.output_weight()).float()
 
     def forward(self, tokens: torch.Tensor, kv_len: int, count: torch.Tensor | None = None,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import rng
+from . import quant, rng
 from .checksum import checksum
 from .config import PRESETS, ModelConfig, load_config
 from .errors import ErrorCode, FlashRTError
@@ -81,7 +81,10 @@ def _canonical_name(name: str) -> str | None:
 
 
 def load_model(folder: Path, device: torch.device, dtype: torch.dtype) -> Qwen35:
-    """Load a local HF checkpoint; clear errors for missing files, unknown or mis-shaped tensors."""
+    """Load a local HF checkpoint; clear errors for missing files, unknown or mis-shaped tensors.
+
+    Projections stored quantized (compressed-tensors ``nvfp4-pack-quantized`` or FP8 ``float-quantized``) load
+    dequantised into the dense model, and their stored form is kept for :func:`quant.quantize_model`."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -91,6 +94,8 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype) -> Qwen35
     model = _empty_model(cfg, device, dtype)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    quantized: dict[str, dict[str, torch.Tensor]] = {}       # compressed-tensors parts, by module name
+    checkpoint: dict[str, quant.QuantizedWeight] = {}
     with torch.no_grad():
         for path in _checkpoint_files(folder):
             with safe_open(str(path), framework="pt") as f:
@@ -98,22 +103,35 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype) -> Qwen35
                     name = _canonical_name(raw_name)
                     if name is None or (name.startswith("mtp.") and not cfg.mtp_num_hidden_layers):
                         continue
-                    if name not in params:
-                        raise FlashRTError(ErrorCode.LOAD_FAILED, f"{path.name}: unexpected tensor {raw_name!r}")
                     tensor = f.get_tensor(raw_name)
-                    if tuple(tensor.shape) != tuple(params[name].shape):
-                        raise FlashRTError(
-                            ErrorCode.LOAD_FAILED,
-                            f"{path.name}: tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
-                            f"the config implies {tuple(params[name].shape)}")
-                    params[name].copy_(tensor)
+                    if quant.is_quantized_checkpoint_tensor(name, tensor):
+                        module, _, suffix = name.rpartition(".")
+                        quantized.setdefault(module, {})[suffix] = tensor.to(device)
+                        continue
+                    _copy_checked(params, name, tensor, path.name, raw_name)
                     loaded.add(name)
+        for module, parts in quantized.items():
+            weight = quant.from_checkpoint(module, parts)
+            _copy_checked(params, f"{module}.weight", weight.dequantize(), folder.name, f"{module} (quantized)")
+            loaded.add(f"{module}.weight")
+            checkpoint[module] = weight
     missing = sorted(set(params) - loaded)
     if missing:
         raise FlashRTError(ErrorCode.LOAD_FAILED, f"{folder}: checkpoint lacks {len(missing)} tensor(s), e.g. "
                                                   f"{missing[:3]}")
     model.fuse_projections()
+    # Handed to quant.quantize_model, which keeps these bytes when the engine runs in their format.
+    model.quantized_checkpoint = checkpoint
     return model
+
+
+def _copy_checked(params: dict, name: str, tensor: torch.Tensor, where: str, label: str) -> None:
+    if name not in params:
+        raise FlashRTError(ErrorCode.LOAD_FAILED, f"{where}: unexpected tensor {label!r}")
+    if tuple(tensor.shape) != tuple(params[name].shape):
+        raise FlashRTError(ErrorCode.LOAD_FAILED, f"{where}: tensor {label!r} has shape {tuple(tensor.shape)}, "
+                                                  f"the config implies {tuple(params[name].shape)}")
+    params[name].copy_(tensor)
 
 
 def weights_digest(model: Qwen35) -> str:
