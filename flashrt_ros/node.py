@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import SetParametersResult
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
@@ -34,7 +35,7 @@ from flashrt_ros import ros_convert as conv
 from flashrt_ros.action import Generate
 from flashrt_ros.engine_worker import EngineWorker
 from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
-from flashrt_ros.params import NodeSettings, declare_parameters, read_settings
+from flashrt_ros.params import NodeSettings, check_update, declare_parameters, read_settings
 from flashrt_ros.runtime import Engine, ErrorCode, FlashRTError
 from flashrt_ros.session import (CANCELED, PRIORITY_URGENT, ActionOutput, EventOutput, Session,
                                  TokenOutput)
@@ -54,6 +55,7 @@ class FlashRTNode(Node):
     def __init__(self, node_name: str = "flashrt", **kwargs):
         super().__init__(node_name, **kwargs)
         declare_parameters(self)
+        self.add_on_set_parameters_callback(self._on_set_parameters)
         self._group = ReentrantCallbackGroup()
         self._settings: Optional[NodeSettings] = None
         self._worker: Optional[EngineWorker] = None
@@ -153,6 +155,18 @@ class FlashRTNode(Node):
             self._worker.shutdown()
             self._worker = None
 
+    def _on_set_parameters(self, parameters) -> SetParametersResult:
+        """Refuse what the engine cannot take now, with the reason; hand new sampling defaults to the
+        engine thread, ahead of every observation submitted after this set."""
+        worker = self._worker
+        try:
+            sampling = check_update(self, parameters, configured=worker is not None)
+        except ValueError as e:
+            return SetParametersResult(successful=False, reason=str(e))
+        if worker is not None:
+            worker.submit(lambda s: setattr(s, "default_sampling", sampling))
+        return SetParametersResult(successful=True)
+
     # ---- engine output (runs on the engine thread) -------------------------------------------
     def _emit(self, out) -> None:
         stamp = self.get_clock().now().to_msg()
@@ -224,9 +238,16 @@ class FlashRTNode(Node):
                                     s.engine.position), resp, fill)
 
     def _rollback(self, req, resp):
+        def rollback(s):
+            try:
+                return s.rollback(req.capsule_id, req.steps)
+            except FlashRTError:
+                resp.position = s.engine.position  # a refusal reports the live position it left unchanged
+                raise
+
         def fill(r, position, ms):
             r.position, r.latency_ms = position, ms
-        return self._run(lambda s: s.rollback(req.capsule_id, req.steps), resp, fill)
+        return self._run(rollback, resp, fill)
 
     def _list_capsules(self, req, resp):
         def snapshot_of_store(s):

@@ -1,8 +1,16 @@
 """The node's ROS parameters: declarations (with descriptions and ranges) and reading them into settings.
 
 Parameters use dotted namespaces (``sampling.top_k``, ``discretiser.bins``, ``qos.observation.depth``),
-as llama_ros does, so a parameter file nests them. They are read in ``on_configure``: a change takes
-effect at the next configure (deactivate -> cleanup -> configure -> activate).
+as llama_ros does, so a parameter file nests them. What a parameter set at run time does (see
+:func:`check_update`):
+
+* ``autostart`` is read once at start-up: read-only.
+* ``sampling.*`` (:data:`LIVE`) apply to the next generation that uses the node's defaults.
+* every other parameter is read in ``on_configure``: while the node is configured a set is refused with
+  the reason (the engine was built with the current value); unconfigured, it takes effect at configure
+  (deactivate -> cleanup -> set -> configure -> activate).
+
+So the parameters the node reports are always what its engine uses (the bag header records them).
 """
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -11,7 +19,7 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from flashrt_ros.discretiser import Discretiser
-from flashrt_ros.runtime import EngineConfig, SamplingParams
+from flashrt_ros.runtime import EngineConfig, FlashRTError, SamplingParams
 
 _INT_MAX = 2**31 - 1
 
@@ -47,8 +55,21 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
 ]
 
 
-def _descriptor(description: str, bounds: Optional[tuple], choices: Optional[tuple]) -> ParameterDescriptor:
-    desc = ParameterDescriptor(description=description)
+LIVE = ("sampling.temperature", "sampling.top_k", "sampling.top_p")  # take effect at the next generation
+READ_ONLY = ("autostart",)  # read once, at start-up
+
+
+def _when(name: str) -> str:
+    if name in READ_ONLY:
+        return "read at start-up; read-only"
+    if name in LIVE:
+        return "applies to the next generation"
+    return "read at configure; set it while the node is unconfigured"
+
+
+def _descriptor(name: str, description: str, bounds: Optional[tuple],
+                choices: Optional[tuple]) -> ParameterDescriptor:
+    desc = ParameterDescriptor(description=f"{description} ({_when(name)})", read_only=name in READ_ONLY)
     if choices:
         desc.additional_constraints = "one of: " + ", ".join(choices)
     if bounds is not None:
@@ -63,7 +84,34 @@ def _descriptor(description: str, bounds: Optional[tuple], choices: Optional[tup
 def declare_parameters(node) -> None:
     """Declare every parameter of :data:`PARAMETERS` on ``node``."""
     for name, default, description, bounds, choices in PARAMETERS:
-        node.declare_parameter(name, default, _descriptor(description, bounds, choices))
+        node.declare_parameter(name, default, _descriptor(name, description, bounds, choices))
+
+
+def _check_choices(values: dict) -> None:
+    for name, _, _, _, choices in PARAMETERS:
+        if choices and name in values and values[name] not in choices:
+            raise ValueError(f"parameter {name}={values[name]!r} must be one of {', '.join(choices)}")
+
+
+def _sampling(values: dict) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=values["sampling.temperature"], top_k=values["sampling.top_k"],
+                              top_p=values["sampling.top_p"]).validate()
+    except FlashRTError as e:
+        raise ValueError(f"sampling.{e.message}") from None
+
+
+def check_update(node, parameters, configured: bool) -> SamplingParams:
+    """The node's sampling defaults once ``parameters`` (rclpy Parameters) are set; ValueError with the
+    reason if the set must be refused: a configure-time parameter while ``configured``, a value outside
+    its choices, or sampling values the sampler rejects (e.g. ``top_p`` 0)."""
+    values = {p.name: p.value for p in parameters}
+    frozen = sorted(name for name, *_ in PARAMETERS if name in values and name not in LIVE)
+    if configured and frozen:
+        raise ValueError(f"{', '.join(frozen)}: read at configure, and the engine is built with the current "
+                         "value; deactivate and cleanup the node, set it, then configure and activate")
+    _check_choices(values)
+    return _sampling({name: values.get(name, node.get_parameter(name).value) for name in LIVE})
 
 
 @dataclass(frozen=True)
@@ -80,9 +128,7 @@ class NodeSettings:
 def read_settings(node) -> NodeSettings:
     """Read the declared parameters; raises ValueError for values the ranges cannot express."""
     p = {name: node.get_parameter(name).value for name, *_ in PARAMETERS}
-    for name, _, _, _, choices in PARAMETERS:
-        if choices and p[name] not in choices:
-            raise ValueError(f"parameter {name}={p[name]!r} must be one of {', '.join(choices)}")
+    _check_choices(p)
     return NodeSettings(
         engine=EngineConfig(
             model=p["model"], device=p["device"], dtype=p["dtype"], max_context=p["max_context"],
@@ -92,8 +138,7 @@ def read_settings(node) -> NodeSettings:
             low=p["discretiser.low"], high=p["discretiser.high"], bins=p["discretiser.bins"],
             token_offset=p["discretiser.token_offset"], dims=p["discretiser.dims"],
             horizon=p["discretiser.horizon"]),
-        sampling=SamplingParams(temperature=p["sampling.temperature"], top_k=p["sampling.top_k"],
-                                top_p=p["sampling.top_p"]),
+        sampling=_sampling(p),
         stream_chunk_tokens=p["stream_chunk_tokens"],
         observation_qos=QoSProfile(
             depth=p["qos.observation.depth"],
