@@ -16,6 +16,8 @@ in memory. Its K-reduction order is fixed by the launch shape, so results are de
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +28,7 @@ NVFP4_GROUP = 16
 GEMV_MAX_ROWS = 64
 _BLOCK_N = 32
 _BLOCK_K = 256
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -67,9 +70,10 @@ def _e2m1(code):
 
 @jit
 def _dot(acc, x, w, IEEE: tl.constexpr):
-    """acc += x @ w.T (w dequantised to x's dtype); fp32 inputs multiply in full precision, never TF32."""
+    """acc += x @ w.T (w dequantised to x's dtype); fp32 inputs multiply in full precision, never TF32. Triton's
+    interpreter multiplies bf16 operands as raw bit patterns, so there (IEEE is set) both go through fp32."""
     if IEEE:
-        return acc + tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
     return acc + tl.dot(x, tl.trans(w.to(x.dtype)))
 
 
@@ -136,7 +140,7 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
     nvfp4 = row_scale is not None
     _quant_gemv_kernel[(n_blocks, splits)](
         x, q, scale, row_scale if nvfp4 else scale, out, rows, n, k, x.stride(0), k_split,
-        NVFP4=nvfp4, GROUP=group, IEEE=x.dtype == torch.float32,
+        NVFP4=nvfp4, GROUP=group, IEEE=x.dtype == torch.float32 or _INTERPRETED,
         BLOCK_L=max(16, triton.next_power_of_2(rows)), BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)   # fixed-order reduction: deterministic
 

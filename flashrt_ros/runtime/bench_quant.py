@@ -1,0 +1,247 @@
+"""Benchmark of the weight formats, side by side in one run on one device (``flashrt-runtime bench-quant``).
+
+Per format: decode ms/token against that format's weight-bytes floor (weights read per token / the device's
+measured copy bandwidth), prefill TTFT, and fidelity against the dense engine (same seeded weights): logits error
+and greedy agreement, teacher-forced along the dense engine's greedy continuation, plus the first index where the
+free-running greedy continuations part. Beside it: the fused quantized GEMVs against the dense ``F.linear`` (cuBLAS
+on CUDA) on the model's own projection shapes, and a projected Thor table (bytes per token / 273 GB/s), which is a
+projection from shapes, not a measurement.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import quant
+from .config import PRESETS, ModelConfig
+from .engine import Engine, EngineConfig
+from .model import Qwen35
+from .timing import sync, timed
+from .verify import first_divergence, prompt_tokens
+
+THOR_BYTES_PER_S = 273e9
+EMBEDDING = "model.embed_tokens.weight"
+_KERNEL_CALLS_PER_SAMPLE = 20
+
+
+def weights_read_per_token(model: Qwen35) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except the embedding table (one row is looked
+    up) unless it is also the dense LM head. (The MTP head's unused projections are counted: an upper bound.)"""
+    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != EMBEDDING)
+    if getattr(model, "quantized_head", None) is None and model.cfg.tie_word_embeddings:
+        total += model.output_weight().numel() * model.output_weight().element_size()
+    return total
+
+
+def projected_bytes_per_token(cfg: ModelConfig, fmt: str, exclude: tuple[str, ...] = (),
+                              dense_element_size: int = 2) -> int:
+    """:func:`weights_read_per_token` from shapes alone (a meta-device model), for presets too large to build."""
+    with torch.device("meta"):
+        model = Qwen35(cfg)
+    model.fuse_projections()
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != quant.LM_HEAD}
+    covered = {f"{n}.weight" for n in linears} | {EMBEDDING, f"{quant.LM_HEAD}.weight"}
+    total = sum(p.numel() for n, p in model.named_parameters() if n not in covered) * dense_element_size
+    for name, module in linears.items():
+        kept = fmt == "dense" or quant.is_excluded(name, exclude)
+        total += quant.weight_bytes("dense" if kept else fmt, *module.weight.shape, dense_element_size)
+    head_fmt = "dense" if fmt == "dense" or quant.is_excluded(quant.LM_HEAD, exclude) else fmt
+    return total + quant.weight_bytes(head_fmt, cfg.vocab_size, cfg.hidden_size, dense_element_size)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device copy (bytes read + written): the floor every weight read is held to."""
+    nbytes = (1 << 30) if device.type == "cuda" else (1 << 27)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(timed(device, lambda: dst.copy_(src))[1] for _ in range(5))
+    return 2 * nbytes / (best / 1000.0)
+
+
+def _time_calls_us(device: torch.device, fn, repeats: int) -> float:
+    """Median microseconds per call of ``fn``; on CUDA over captured graphs of several calls (no launch gaps)."""
+    if device.type == "cuda":
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(_KERNEL_CALLS_PER_SAMPLE):
+                fn()
+        run, calls = graph.replay, _KERNEL_CALLS_PER_SAMPLE
+    else:
+        run, calls = fn, 1
+    run()
+    samples = [timed(device, run)[1] for _ in range(repeats)]
+    return 1000.0 * statistics.median(samples) / calls
+
+
+def projection_shapes(model: Qwen35) -> list[tuple[str, int, int]]:
+    """(name, N, K) of each distinct projection shape of the dense model, the LM head last."""
+    seen, shapes = set(), []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and tuple(module.weight.shape) not in seen:
+            seen.add(tuple(module.weight.shape))
+            shapes.append((name, *module.weight.shape))
+    return shapes + [(quant.LM_HEAD, *model.output_weight().shape)]
+
+
+def gemv_table(model: Qwen35, device: torch.device, dtype: torch.dtype, use_triton: bool, repeats: int) -> list:
+    """Each projection shape at one row (decode): dense ``F.linear`` against the fp8 and nvfp4 GEMVs."""
+    rows = []
+    generator = torch.Generator(device=device).manual_seed(0)
+    for name, n, k in projection_shapes(model):
+        w = torch.randn(n, k, device=device, dtype=dtype, generator=generator) / k ** 0.5
+        x = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
+        row = {"shape": name, "N": n, "K": k,
+               "dense_us": _time_calls_us(device, lambda: F.linear(x, w), repeats)}
+        for fmt in ("fp8", "nvfp4"):
+            layer = quant.QuantLinear(quant.QUANTIZERS[fmt](w), use_triton)
+            row[f"{fmt}_us"] = _time_calls_us(device, lambda: layer(x), repeats)
+            row[f"{fmt}_speedup"] = row["dense_us"] / row[f"{fmt}_us"]
+            row[f"{fmt}_GBps"] = quant.weight_bytes(fmt, n, k, 0) / row[f"{fmt}_us"] / 1000.0
+        row["dense_GBps"] = n * k * w.element_size() / row["dense_us"] / 1000.0
+        rows.append(row)
+        del w
+    return rows
+
+
+@torch.inference_mode()
+def teacher_forced(engine: Engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """[len(tokens) + 1, vocab] fp32 logits after the prompt and after each of ``tokens`` (fed one at a time)."""
+    engine.reset()
+    engine.ingest(prompt)
+    out = [engine.next_token_logits()]
+    for token in tokens:
+        engine.ingest([token])
+        out.append(engine.next_token_logits())
+    return torch.stack(out)
+
+
+def fidelity(reference: torch.Tensor, logits: torch.Tensor, free_ref: list[int], free: list[int]) -> dict:
+    """Logits error of ``logits`` against ``reference`` (both [T, vocab], teacher-forced) and greedy agreement."""
+    diff = logits - reference
+    rel = diff.norm(dim=-1) / reference.norm(dim=-1).clamp_min(1e-30)
+    return {"logits_max_abs_err": float(diff.abs().max()), "logits_rel_l2_mean": float(rel.mean()),
+            "logits_rel_l2_max": float(rel.max()),
+            "greedy_agreement": float((logits.argmax(-1) == reference.argmax(-1)).float().mean()),
+            "free_run_first_divergence": first_divergence(free_ref, free)}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantBenchConfig:
+    model: str = "tiny"
+    device: str = "cpu"
+    dtype: str = "float32"
+    formats: tuple[str, ...] = quant.FORMATS
+    exclude: tuple[str, ...] = ()
+    context: int = 256               # tokens before the decode measurement
+    decode_tokens: int = 32
+    prefill_tokens: int = 256        # cold prefill for TTFT
+    fidelity_tokens: int = 16
+    repeats: int = 5
+    prefill_chunk: int = 256
+    cuda_graphs: bool = True
+    seed: int = 0
+
+
+def _engine(cfg: QuantBenchConfig, fmt: str) -> Engine:
+    needed = max(cfg.context + cfg.decode_tokens, cfg.prefill_tokens, cfg.context + cfg.fidelity_tokens) + 8
+    return Engine(EngineConfig(model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_context=needed,
+                               prefill_chunk=cfg.prefill_chunk, cuda_graphs=cfg.cuda_graphs, weights_format=fmt,
+                               weights_exclude=cfg.exclude, capsule_budget_bytes=0, checksum_on_snapshot=False,
+                               seed=cfg.seed))
+
+
+def _format_row(engine: Engine, cfg: QuantBenchConfig, bandwidth: float, prompt: list[int]) -> dict:
+    device = engine.device
+    prefill = prompt_tokens(engine.vocab_size, cfg.prefill_tokens, "quant-prefill")
+
+    def cold():
+        engine.reset()
+        engine.ingest(prefill)
+        return engine.peek_token()
+    ttft = [timed(device, cold)[1] for _ in range(cfg.repeats)]
+    engine.reset()
+    engine.ingest(prompt)
+    list(engine.generate(2, stop_token_ids=()))
+    steps, total_ms = timed(device, lambda: list(engine.generate(cfg.decode_tokens, stop_token_ids=())))
+    nbytes = weights_read_per_token(engine.model)
+    decode_ms = total_ms / max(1, len(steps))
+    floor_ms = 1000.0 * nbytes / bandwidth
+    return {"format": engine.weights_format, "weight_bytes_per_token": nbytes, "decode_ms_per_token": decode_ms,
+            "floor_ms": floor_ms, "decode_over_floor": decode_ms / floor_ms,
+            "prefill_tokens": cfg.prefill_tokens, "cold_ttft_ms": statistics.median(ttft)}
+
+
+def run(cfg: QuantBenchConfig) -> dict:
+    """Every format of ``cfg.formats`` (``dense`` first: the others are compared with it), one engine at a time."""
+    formats = ("dense",) + tuple(f for f in cfg.formats if f != "dense")
+    device = torch.device(cfg.device)
+    bandwidth = copy_bandwidth(device)
+    rows, reference, platform_info, gemvs = [], None, {}, []
+    for fmt in formats:
+        engine = _engine(cfg, fmt)
+        prompt = prompt_tokens(engine.vocab_size, cfg.context, "quant-prompt")
+        row = _format_row(engine, cfg, bandwidth, prompt)
+        engine.reset()
+        engine.ingest(prompt)
+        free = list(engine.generate(cfg.fidelity_tokens, stop_token_ids=()))
+        if reference is None:
+            platform_info = engine.platform.diagnostics()
+            gemvs = gemv_table(engine.model, device, engine.arena["hidden"].dtype, engine.platform.quant_triton,
+                               cfg.repeats)
+            reference = (free, teacher_forced(engine, prompt, free))
+        else:
+            row.update(fidelity(reference[1], teacher_forced(engine, prompt, reference[0]), reference[0], free))
+        rows.append(row)
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            sync(device)
+            torch.cuda.empty_cache()
+    dense_ms = rows[0]["decode_ms_per_token"]
+    for row in rows:
+        row["decode_speedup_vs_dense"] = dense_ms / row["decode_ms_per_token"]
+    return {"model": cfg.model, "device": cfg.device, "dtype": cfg.dtype, "exclude": list(cfg.exclude),
+            "copy_bandwidth_GBps": bandwidth / 1e9, "platform": platform_info, "formats": rows, "gemv": gemvs,
+            "thor_projection": thor_projection(cfg.exclude)}
+
+
+def thor_projection(exclude: tuple[str, ...] = ()) -> list[dict]:
+    """Decode floors on Jetson AGX Thor: projected bytes per token / 273 GB/s (a projection, never a measurement)."""
+    out = []
+    for preset in ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.6-27b"):
+        for fmt in quant.FORMATS:
+            nbytes = projected_bytes_per_token(PRESETS[preset], fmt, exclude)
+            out.append({"preset": preset, "format": fmt, "bytes_per_token": nbytes,
+                        "projected_floor_ms": 1000.0 * nbytes / THOR_BYTES_PER_S,
+                        "projected_max_tokens_per_s": THOR_BYTES_PER_S / nbytes})
+    return out
+
+
+def _table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    lines = ["| " + " | ".join(c for c, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join("" if r.get(c) is None else f.format(r[c]) for c, f in columns) + " |")
+    return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    formats = _table(result["formats"], [
+        ("format", "{}"), ("weight_bytes_per_token", "{:,}"), ("decode_ms_per_token", "{:.3f}"), ("floor_ms", "{:.3f}"),
+        ("decode_over_floor", "{:.2f}"), ("decode_speedup_vs_dense", "{:.2f}x"), ("cold_ttft_ms", "{:.2f}"),
+        ("logits_rel_l2_mean", "{:.4f}"), ("logits_max_abs_err", "{:.4f}"), ("greedy_agreement", "{:.3f}"),
+        ("free_run_first_divergence", "{}")])
+    gemv = _table(result["gemv"], [
+        ("shape", "{}"), ("N", "{}"), ("K", "{}"), ("dense_us", "{:.2f}"), ("fp8_us", "{:.2f}"),
+        ("nvfp4_us", "{:.2f}"), ("fp8_speedup", "{:.2f}x"), ("nvfp4_speedup", "{:.2f}x"), ("dense_GBps", "{:.0f}"),
+        ("fp8_GBps", "{:.0f}"), ("nvfp4_GBps", "{:.0f}")])
+    thor = _table(result["thor_projection"], [
+        ("preset", "{}"), ("format", "{}"), ("bytes_per_token", "{:,}"), ("projected_floor_ms", "{:.1f}"),
+        ("projected_max_tokens_per_s", "{:.0f}")])
+    return f"{formats}\n\n{gemv}\n\nProjected for Jetson AGX Thor (273 GB/s; a projection, not a measurement):\n{thor}"

@@ -1,0 +1,419 @@
+"""Weight-only quantization: the fused Triton GEMVs against their references (through Triton's interpreter on the
+CPU), the encoders against independent float64 roundings, compressed-tensors checkpoints against quantize-at-load,
+capsules per format, refusal across formats, and fidelity figures."""
+import itertools
+import json
+import math
+import zlib
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_checkpoints as hf
+from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError
+from flashrt_ros.runtime import bench_quant, quant
+from flashrt_ros.runtime.kernels import quant_gemv as kq
+from flashrt_ros.runtime.kernels._triton import triton
+from flashrt_ros.runtime.verify import verify
+
+needs_triton = pytest.mark.skipif(triton is None, reason="triton is not importable")
+QUANTIZED = ("fp8", "nvfp4")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- independent float64 roundings ---------------------------------------------------------------------------------
+def e2m1_nearest64(values: torch.Tensor) -> torch.Tensor:
+    """Nearest signed E2M1 value by exhaustive search in float64; ties to the even code (even mantissa bit)."""
+    grid = torch.tensor(kq.E2M1_VALUES, dtype=torch.float64)
+    out = []
+    for v in values.double().tolist():
+        distance = [abs(abs(v) - g) for g in grid.tolist()]
+        best = min(distance)
+        ties = [i for i, d in enumerate(distance) if d == best]
+        code = next((i for i in ties if i % 2 == 0), ties[0])
+        out.append(math.copysign(grid[code].item(), v))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def e4m3_values64() -> torch.Tensor:
+    """Every finite non-negative float8_e4m3fn value from its bit layout (bias 7; S.1111.111 is NaN)."""
+    values = []
+    for e, m in itertools.product(range(16), range(8)):
+        if (e, m) == (15, 7):
+            continue
+        values.append(m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def e4m3_nearest64(values: torch.Tensor) -> torch.Tensor:
+    grid = e4m3_values64()
+    out = []
+    for v in values.double().tolist():
+        distance = (grid - v).abs()
+        ties = (distance == distance.min()).nonzero().flatten().tolist()
+        code = next((i for i in ties if i % 2 == 0), ties[0])   # grid index parity = mantissa parity
+        out.append(grid[code].item())
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_e2m1_rounding_matches_an_exhaustive_float64_search():
+    g_ = gen(1)
+    midpoints = torch.tensor([(a + b) / 2 for a, b in zip(kq.E2M1_VALUES, kq.E2M1_VALUES[1:])])
+    values = torch.cat([12 * torch.rand(400, generator=g_) - 6, midpoints, -midpoints,
+                        torch.tensor(kq.E2M1_VALUES), -torch.tensor(kq.E2M1_VALUES)])
+    codes = quant.e2m1_codes(values)
+    decoded = kq.unpack_e2m1(quant.pack_e2m1(codes[None, :]))[0]
+    assert torch.equal(decoded.double(), e2m1_nearest64(values))
+    assert torch.equal(torch.signbit(decoded), torch.signbit(values))
+
+
+def test_nvfp4_block_scales_are_e4m3_roundings_of_amax_over_6_times_the_global_scale():
+    w = torch.randn(24, 64, generator=gen(2)) * torch.logspace(-3, 1, 24)[:, None]
+    weight = quant.quantize_nvfp4(w)
+    gs = 448.0 * 6.0 / w.abs().max()
+    target = w.reshape(24, -1, kq.NVFP4_GROUP).abs().amax(-1) / 6.0 * gs
+    assert torch.allclose(1.0 / weight.row_scale, gs.expand(24))
+    assert torch.equal(weight.scale.double().flatten(), e4m3_nearest64(target.flatten()))
+
+
+# ---- round trips: exact for values the format represents -----------------------------------------------------------
+def representable_fp8(seed: int, n: int = 12, k: int = 48) -> torch.Tensor:
+    """E4M3 values times a power-of-two scale per row, each row holding +-448 (so amax / 448 is that scale)."""
+    g_ = gen(seed)
+    codes = torch.randn(n, k, generator=g_).mul(60).to(torch.float8_e4m3fn).float()
+    codes[:, 0] = 448.0 * torch.where(torch.rand(n, generator=g_) < 0.5, -1.0, 1.0)
+    return codes * 2.0 ** torch.randint(-12, 4, (n, 1), generator=g_).float()
+
+
+def representable_nvfp4(seed: int, n: int = 8, k: int = 64) -> torch.Tensor:
+    """E2M1 values times an E4M3 block scale, each block holding +-6, one block scaled by 448, all over 2^j."""
+    g_ = gen(seed)
+    codes = torch.tensor(kq.E2M1_VALUES)[torch.randint(0, 8, (n, k // 16, 16), generator=g_)]
+    codes *= torch.where(torch.rand(n, k // 16, 16, generator=g_) < 0.5, -1.0, 1.0)
+    codes[..., 3] = 6.0
+    block = e4m3_values64()[torch.randint(40, 126, (n, k // 16), generator=g_)].float()
+    block[0, 0] = 448.0
+    return (codes * block[..., None]).reshape(n, k) * 2.0 ** -int(torch.randint(0, 9, (1,), generator=g_))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fp8_round_trip_is_exact_for_representable_weights(seed):
+    w = representable_fp8(seed)
+    weight = quant.quantize_fp8(w)
+    assert torch.equal(weight.dequantize(), w)
+    assert torch.equal(quant.quantize_fp8(weight.dequantize()).q.view(torch.uint8), weight.q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_nvfp4_round_trip_is_exact_for_representable_weights(seed):
+    w = representable_nvfp4(seed)
+    weight = quant.quantize_nvfp4(w)
+    assert torch.equal(weight.dequantize(), w)
+    again = quant.quantize_nvfp4(weight.dequantize())
+    assert torch.equal(again.q, weight.q) and torch.equal(again.scale.view(torch.uint8), weight.scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt,bound", [("fp8", 0.5), ("nvfp4", 0.5)])
+def test_quantization_error_is_bounded_by_half_a_step(fmt, bound):
+    """|w - dequant(quant(w))| <= half the spacing of the format's grid at the row's (or block's) scale."""
+    w = torch.randn(16, 128, generator=gen(5))
+    err = (quant.QUANTIZERS[fmt](w).dequantize() - w).abs()
+    if fmt == "fp8":   # the widest E4M3 step is 32 (between 256 and 448) at a scale of amax / 448
+        assert bool((err <= bound * 32 / 448 * w.abs().amax(1, keepdim=True) * 1.001).all())
+    else:              # the widest E2M1 step is 2 (between 4 and 6) at a block scale of ~amax / 6
+        block_amax = w.reshape(16, -1, 16).abs().amax(-1, keepdim=True)
+        assert bool((err.reshape(16, -1, 16) <= bound * 2 * block_amax / 6 * 1.07).all())
+
+
+def test_all_zero_weights_quantize_to_zero_without_nans():
+    for fmt in QUANTIZED:
+        assert torch.equal(quant.QUANTIZERS[fmt](torch.zeros(4, 32)).dequantize(), torch.zeros(4, 32))
+
+
+# ---- the fused GEMVs against their references ----------------------------------------------------------------------
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty hands out NaN-filled tensors, so an output element a kernel fails to write shows up."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+GEMV_CASES = [  # rows, N, K: one row block and several, K in one slice and split over several, ragged N
+    (1, 48, 256), (1, 40, 768), (3, 72, 512), (16, 33, 256), (37, 64, 1024), (64, 8, 256)]
+
+
+@needs_triton
+@pytest.mark.parametrize("rows,n,k", GEMV_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_triton_gemv_matches_its_reference(fmt, dtype, rows, n, k, poisoned_empty):
+    g_ = gen(zlib.crc32(repr((fmt, dtype, rows, n, k)).encode()))
+    x = torch.randn(rows, k, generator=g_).to(dtype)
+    weight = quant.QUANTIZERS[fmt](torch.randn(n, k, generator=g_) * torch.rand(n, 1, generator=g_))
+    fast, reference = ((kq.fp8_linear_triton, kq.fp8_linear_reference) if fmt == "fp8" else
+                       (kq.nvfp4_linear_triton, kq.nvfp4_linear_reference))
+    args = (weight.q, weight.scale) + (() if fmt == "fp8" else (weight.row_scale,))
+    got, want = fast(x, *args), reference(x, *args)
+    assert got.shape == (rows, n) and got.dtype == dtype and not got.isnan().any()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@needs_triton
+def test_triton_gemv_is_deterministic_and_per_row_independent():
+    """The same row gives the same bytes alone and inside a larger piece (capsules stay byte-exact)."""
+    weight = quant.quantize_nvfp4(torch.randn(40, 512, generator=gen(7)))
+    x = torch.randn(5, 512, generator=gen(8))
+    args = (weight.q, weight.scale, weight.row_scale)
+    full = kq.nvfp4_linear_triton(x, *args)
+    assert torch.equal(full, kq.nvfp4_linear_triton(x, *args))
+    assert torch.equal(full[2:3], kq.nvfp4_linear_triton(x[2:3].clone(), *args))
+
+
+@needs_triton
+def test_the_fused_gemv_refuses_more_rows_than_it_serves():
+    weight = quant.quantize_fp8(torch.randn(8, 256))
+    with pytest.raises(ValueError, match="1..64 rows"):
+        kq.fp8_linear_triton(torch.randn(kq.GEMV_MAX_ROWS + 1, 256), weight.q, weight.scale)
+
+
+def test_quant_linear_uses_the_gemm_path_for_long_pieces(monkeypatch):
+    layer = quant.QuantLinear(quant.quantize_nvfp4(torch.randn(16, 64, generator=gen(9))), use_triton=True)
+    calls = []
+    monkeypatch.setattr(kq, "nvfp4_linear_triton", lambda *a: calls.append("triton") or kq.nvfp4_linear_reference(*a))
+    layer(torch.randn(2, 3, 64))
+    layer(torch.randn(kq.GEMV_MAX_ROWS + 1, 64))
+    assert calls == ["triton"]
+
+
+# ---- quantize_model ------------------------------------------------------------------------------------------------
+def quant_layers(engine: Engine) -> dict[str, str]:
+    return {n: m.fmt for n, m in engine.model.named_modules() if isinstance(m, quant.QuantLinear)}
+
+
+def tiny(**overrides) -> Engine:
+    return Engine(EngineConfig(**{"max_context": 256, **overrides}))
+
+
+def test_every_projection_and_the_lm_head_are_quantized_by_default():
+    engine = tiny(weights_format="nvfp4")
+    layers = quant_layers(engine)
+    assert set(layers.values()) == {"nvfp4"} and "quantized_head" in layers
+    assert any(n.endswith("linear_attn.in_proj") for n in layers) and any(n.endswith("gate_up_proj") for n in layers)
+    assert not any(isinstance(m, torch.nn.Linear) for m in engine.model.modules())
+    assert engine.stats()["weights_format"] == "nvfp4/reference"
+
+
+def test_exclude_patterns_keep_projections_dense():
+    engine = tiny(weights_format="fp8", weights_exclude=("*.linear_attn.*", "lm_head"))
+    layers = quant_layers(engine)
+    assert layers and not any(".linear_attn." in n for n in layers) and "quantized_head" not in layers
+    dense = [n for n, m in engine.model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert dense and all(".linear_attn." in n for n in dense)
+
+
+def test_unknown_format_is_refused():
+    with pytest.raises(FlashRTError) as err:
+        tiny(weights_format="int3")
+    assert err.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+# ---- compressed-tensors checkpoints --------------------------------------------------------------------------------
+FUSED = (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), ("gate_proj", "up_proj"),
+         ("q_proj", "k_proj", "v_proj"))
+
+
+def fusion_group(name: str) -> tuple[str, ...]:
+    parent, _, leaf = name.rpartition(".")
+    return next((tuple(f"{parent}.{m}" for m in g) for g in FUSED if leaf in g), (name,))
+
+
+def write_compressed(dense_folder, out, fmt: str, shared_global_scale: bool = True):
+    """The dense checkpoint rewritten as compressed-tensors stores it: each projection's `.weight` replaced by
+    weight_packed / weight_scale / weight_global_scale (nvfp4) or an fp8 weight and weight_scale [N, 1]. With
+    ``shared_global_scale``, projections that run fused share one global scale, as llm-compressor writes them."""
+    tensors = load_file(dense_folder / "model.safetensors")
+    dense = {n[:-len(".weight")]: t for n, t in tensors.items() if t.dim() == 2 and "embed_tokens" not in n}
+    for module, w in dense.items():
+        del tensors[f"{module}.weight"]
+        if fmt == "fp8":
+            weight = quant.quantize_fp8(w)
+            tensors[f"{module}.weight"], tensors[f"{module}.weight_scale"] = weight.q, weight.scale
+            continue
+        group = torch.cat([dense[m] for m in fusion_group(module)]) if shared_global_scale else w
+        gs = quant.nvfp4_global_scale(group)
+        weight = quant.quantize_nvfp4(w, gs)
+        tensors[f"{module}.weight_packed"] = weight.q
+        tensors[f"{module}.weight_scale"] = weight.scale
+        tensors[f"{module}.weight_global_scale"] = gs
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((dense_folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors",
+                                     "format": "nvfp4-pack-quantized" if fmt == "nvfp4" else "float-quantized"}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dense_folder(tmp_path_factory):
+    model = hf.build_model(hf.text_config(tie_word_embeddings=False), seed=3)
+    return hf.save(model, tmp_path_factory.mktemp("dense") / "ckpt")
+
+
+def load(folder, fmt):
+    return Engine(EngineConfig(model=str(folder), max_context=128, weights_format=fmt))
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_a_compressed_tensors_checkpoint_equals_quantize_at_load(fmt, dense_folder, tmp_path):
+    """Identical quantized bytes (hence the same fingerprint: capsules move between the two) and logits."""
+    from_dense = load(dense_folder, fmt)
+    stored = load(write_compressed(dense_folder, tmp_path / "q", fmt), fmt)
+    assert stored.fingerprint == from_dense.fingerprint
+    prompt = list(range(1, 40))
+    for engine in (from_dense, stored):
+        engine.ingest(prompt)
+    assert torch.equal(stored.next_token_logits(), from_dense.next_token_logits())
+
+
+def test_pieces_with_their_own_global_scales_keep_their_bytes_in_the_fused_projection(dense_folder, tmp_path):
+    folder = write_compressed(dense_folder, tmp_path / "q", "nvfp4", shared_global_scale=False)
+    tensors = load_file(folder / "model.safetensors")
+    engine = load(folder, "nvfp4")
+    fused = engine.model.get_submodule("model.layers.0.linear_attn.in_proj").weight()
+    parts = [quant.from_checkpoint(m, {s: tensors[f"{m}.{s}"] for s in ("weight_packed", "weight_scale",
+                                                                        "weight_global_scale")})
+             for m in fusion_group("model.layers.0.linear_attn.in_proj_qkv")]
+    assert len({float(p.row_scale[0]) for p in parts}) > 1          # the pieces really differ in global scale
+    assert torch.equal(fused.q, torch.cat([p.q for p in parts]))
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_a_block_scaled_fp8_checkpoint_dequantises_blockwise():
+    g_ = gen(11)
+    q = torch.randn(40, 64, generator=g_).to(torch.float8_e4m3fn)
+    blocks = torch.rand(3, 4, generator=g_) + 0.5                     # 16 x 16 blocks; the last block row is partial
+    weight = quant.from_checkpoint("m", {"weight": q, "weight_scale": blocks})
+    expected = q.float() * blocks.repeat_interleave(16, 0)[:40].repeat_interleave(16, 1)
+    assert torch.equal(weight.dequantize(), expected)
+
+
+@pytest.mark.parametrize("parts,fragment", [
+    ({"weight_packed": torch.zeros(4, 8, dtype=torch.uint8)}, "no weight_scale"),
+    ({"weight_packed": torch.zeros(4, 8, dtype=torch.uint8), "weight_scale": torch.zeros(4, 2)},
+     "needs uint8 weight_packed"),
+    ({"weight": torch.zeros(4, 16, dtype=torch.float8_e4m3fn), "weight_scale": torch.ones(3, 5)},
+     "unsupported fp8 weight_scale shape"),
+    ({"weight": torch.zeros(4, 16, dtype=torch.float8_e4m3fn), "weight_scale": torch.ones(4, 1),
+      "weight_zero_point": torch.ones(4, 1)}, "asymmetric"),
+])
+def test_malformed_quantized_tensors_are_load_failures(parts, fragment):
+    with pytest.raises(FlashRTError, match=fragment) as err:
+        quant.from_checkpoint("model.layers.0.mlp.down_proj", parts)
+    assert err.value.code == ErrorCode.LOAD_FAILED
+
+
+# ---- capsules per format, refusal across formats, fidelity ---------------------------------------------------------
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_capsules_are_byte_exact_and_continuations_token_identical_in_every_format(fmt):
+    report = verify(tiny(weights_format=fmt), prefix_len=64, suffix_len=11, gen=8)
+    assert report["byte_exact"] and report["token_identical"], report
+
+
+@pytest.mark.parametrize("source,target", [("dense", "fp8"), ("fp8", "nvfp4"), ("nvfp4", "dense")])
+def test_a_capsule_is_refused_by_an_engine_of_another_format(source, target, tmp_path):
+    a, b = tiny(weights_format=source), tiny(weights_format=target)
+    a.ingest(list(range(20)))
+    a.snapshot("c1")
+    a.export_capsule("c1", tmp_path / "c1.capsule")
+    b.ingest(list(range(5)))
+    before = b.live_bytes()
+    b.import_capsule(tmp_path / "c1.capsule")
+    with pytest.raises(FlashRTError) as err:
+        b.restore("c1")
+    assert err.value.code == ErrorCode.FINGERPRINT_MISMATCH
+    assert torch.equal(b.live_bytes(), before) and b.position == 5
+
+
+def test_fidelity_figures_order_the_formats():
+    """Logits error and greedy agreement against the fp32 dense engine on the tiny model, teacher-forced along its
+    greedy continuation. The dense engine agrees with itself exactly; nvfp4 errs more than fp8; keeping the Gated
+    DeltaNet projections dense (as FlashRT does) cuts fp8's error: the recurrence amplifies their rounding.
+    The printed figures are the ones BENCHMARKS.md records."""
+    prompt, n = list(range(7, 71)), 12
+    variants = {"dense": ("dense", ()), "fp8": ("fp8", ()), "nvfp4": ("nvfp4", ()),
+                "fp8, GDN dense": ("fp8", ("*.linear_attn.*",)), "nvfp4, GDN dense": ("nvfp4", ("*.linear_attn.*",))}
+    engines = {name: tiny(weights_format=fmt, weights_exclude=ex) for name, (fmt, ex) in variants.items()}
+    engines["dense"].ingest(prompt)
+    ref_free = list(engines["dense"].generate(n, stop_token_ids=()))
+    reference = bench_quant.teacher_forced(engines["dense"], prompt, ref_free)
+    figures = {}
+    for name, engine in engines.items():
+        engine.reset()
+        engine.ingest(prompt)
+        free = list(engine.generate(n, stop_token_ids=()))
+        figures[name] = bench_quant.fidelity(reference, bench_quant.teacher_forced(engine, prompt, ref_free),
+                                             ref_free, free)
+    print(json.dumps(figures, indent=1))
+    err = {name: f["logits_rel_l2_mean"] for name, f in figures.items()}
+    assert figures["dense"]["logits_max_abs_err"] == 0 and figures["dense"]["greedy_agreement"] == 1.0
+    assert figures["dense"]["free_run_first_divergence"] is None
+    assert 0 < err["fp8"] < err["nvfp4"] and 0 < err["fp8, GDN dense"] < err["nvfp4, GDN dense"]
+    assert err["fp8, GDN dense"] < err["fp8"] and err["nvfp4, GDN dense"] < err["nvfp4"]
+    assert figures["fp8, GDN dense"]["greedy_agreement"] > figures["nvfp4"]["greedy_agreement"]
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("exclude", [(), ("*.linear_attn.*",), ("lm_head",)])
+def test_projected_bytes_per_token_match_the_built_model(fmt, exclude):
+    engine = tiny(weights_format=fmt, weights_exclude=exclude)
+    element = engine.arena["hidden"].element_size()
+    assert bench_quant.projected_bytes_per_token(engine.model_config, fmt, exclude, element) == \
+        bench_quant.weights_read_per_token(engine.model)
+
+
+def test_bench_quant_runs_every_format_side_by_side():
+    result = bench_quant.run(bench_quant.QuantBenchConfig(context=32, decode_tokens=4, prefill_tokens=32,
+                                                          fidelity_tokens=4, repeats=1, prefill_chunk=64))
+    rows = {r["format"]: r for r in result["formats"]}
+    assert set(rows) == {"dense", "fp8/reference", "nvfp4/reference"}
+    assert rows["dense"]["weight_bytes_per_token"] > rows["fp8/reference"]["weight_bytes_per_token"] > \
+        rows["nvfp4/reference"]["weight_bytes_per_token"]
+    assert all(r["decode_ms_per_token"] > 0 and r["cold_ttft_ms"] > 0 for r in rows.values())
+    assert {g["shape"] for g in result["gemv"]} >= {"lm_head"}
+    assert len(result["thor_projection"]) == 9
+    assert "projection" in bench_quant.markdown(result)
+
+
+# ---- on the GPU ----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_gpu_quantized_engine_with_graphs_is_byte_exact_and_uses_the_fused_gemv(fmt):
+    engine = Engine(EngineConfig(model="tiny", device="cuda", dtype="bfloat16", max_context=512,
+                                 weights_format=fmt))
+    assert engine.weights_format == f"{fmt}/triton", engine.platform
+    report = verify(engine, prefix_len=128, suffix_len=24, gen=32)
+    assert report["byte_exact"] and report["token_identical"], report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("rows,n,k", [(1, 1024, 3584), (1, 248320, 1024), (8, 6144, 1024), (64, 5120, 17408)])
+def test_gpu_gemv_matches_its_reference_at_model_shapes(fmt, rows, n, k):
+    g_ = torch.Generator(device="cuda").manual_seed(rows + n + k)
+    x = torch.randn(rows, k, device="cuda", generator=g_).bfloat16()
+    weight = quant.QUANTIZERS[fmt](torch.randn(n, k, device="cuda", generator=g_) / k ** 0.5)
+    fast = quant.QuantLinear(weight, use_triton=True)(x).float()
+    want = quant.QuantLinear(weight, use_triton=False)(x).float()
+    assert torch.allclose(fast, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
