@@ -59,19 +59,22 @@ def nvfp4_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
 
 
 @jit
-def _e2m1(code):
-    """E2M1 code (int32, 0-15) -> fp32 value: subnormal 0 / 0.5, else (1 + m/2) * 2^(e-1)."""
-    e = (code >> 1) & 3
-    mantissa = (code & 1).to(tl.float32)
-    normal = (1.0 + 0.5 * mantissa) * tl.exp2((tl.maximum(e, 1) - 1).to(tl.float32))
-    magnitude = tl.where(e == 0, 0.5 * mantissa, normal)
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+def _e2m1_over_2_14(code):
+    """E2M1 code (int32, 0-15) -> its value / 2^14, by bit placement alone: the sign to fp16's sign bit and the
+    three magnitude bits (e1 e0 m) to fp16's lowest exponent bits and top mantissa bit. That maps subnormal and
+    normal codes alike (0.5 -> 2^-15, 6 -> 1.5 * 2^-12); the 2^14 is folded into the block scale."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @jit
-def _dot(acc, x, w, IEEE: tl.constexpr):
-    """acc += x @ w.T (w dequantised to x's dtype); fp32 inputs multiply in full precision, never TF32. Triton's
-    interpreter multiplies bf16 operands as raw bit patterns, so there (IEEE is set) both go through fp32."""
+def _accumulate(acc, x, w, ONE_ROW: tl.constexpr, IEEE: tl.constexpr):
+    """acc += x @ w.T. One row (decode): fp32 FMAs into a [BLOCK_N, k] accumulator that is summed once after the
+    loop, so no tensor-core padding. Several rows: tl.dot on w rounded to x's dtype; fp32 inputs multiply in full
+    precision, never TF32. Triton's interpreter multiplies bf16 operands of tl.dot as raw bit patterns, so there
+    (IEEE is set) both go through fp32."""
+    if ONE_ROW:
+        return acc + w * x.to(tl.float32)
     if IEEE:
         return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
     return acc + tl.dot(x, tl.trans(w.to(x.dtype)))
@@ -79,43 +82,58 @@ def _dot(acc, x, w, IEEE: tl.constexpr):
 
 @jit
 def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, k_split,
-                       NVFP4: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
-                       BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One [BLOCK_L, BLOCK_N] output tile over one K slice (program axis 1 = split-K index): out[split, l, n]."""
+                       NVFP4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, IEEE: tl.constexpr,
+                       ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       TILE_K: tl.constexpr):
+    """One [BLOCK_L, BLOCK_N] output tile over one K slice (program axis 1 = split-K index): out[split, l, n].
+
+    ONE_ROW (BLOCK_L 1) is decode, with elementwise FMAs; otherwise rows are padded to BLOCK_L >= 16 for tl.dot.
+    TILE_K: weight columns per step (BLOCK_K bytes of fp8, BLOCK_K / 2 bytes of packed nvfp4)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.arange(0, BLOCK_L)
     row_ok = rows < N
     token_ok = tokens < L
     wide_rows = rows.to(tl.int64)
+    if ONE_ROW:
+        acc = tl.zeros((BLOCK_N, TILE_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
     # fp8 loads take no `other`: their masked lanes are undefined (maybe NaN) until zeroed with tl.where.
-    acc = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
     k_begin = tl.program_id(1) * k_split
     for k0 in range(k_begin, k_begin + k_split, BLOCK_K):
         if NVFP4:
-            byte_index = k0 // 2 + tl.arange(0, BLOCK_K // 2)          # byte j holds k = 2j (low) and 2j + 1 (high)
+            byte_index = k0 // 2 + tl.arange(0, TILE_K)               # byte j holds k = 2j (low) and 2j + 1 (high)
             w_mask = row_ok[:, None] & (byte_index < K // 2)[None, :]
             packed = tl.load(q_ptr + wide_rows[:, None] * (K // 2) + byte_index[None, :], mask=w_mask, other=0)
             scale = tl.load(s_ptr + wide_rows[:, None] * (K // 16) + (byte_index // 8)[None, :], mask=w_mask)
-            scale = tl.where(w_mask, scale.to(tl.float32), 0.0)
+            scale = tl.where(w_mask, scale.to(tl.float32) * 16384.0, 0.0)
             packed = packed.to(tl.int32)
             x_mask = token_ok[:, None] & (byte_index < K // 2)[None, :]
             x_even = tl.load(x_ptr + tokens[:, None] * stride_x + 2 * byte_index[None, :], mask=x_mask, other=0)
             x_odd = tl.load(x_ptr + tokens[:, None] * stride_x + 2 * byte_index[None, :] + 1, mask=x_mask, other=0)
-            acc = _dot(acc, x_even, _e2m1(packed & 15) * scale, IEEE)
-            acc = _dot(acc, x_odd, _e2m1(packed >> 4) * scale, IEEE)
+            acc = _accumulate(acc, x_even, _e2m1_over_2_14(packed & 15) * scale, ONE_ROW, IEEE)
+            acc = _accumulate(acc, x_odd, _e2m1_over_2_14(packed >> 4) * scale, ONE_ROW, IEEE)
         else:
             k = k0 + tl.arange(0, BLOCK_K)
             w_mask = row_ok[:, None] & (k < K)[None, :]
-            w = tl.load(q_ptr + wide_rows[:, None] * K + k[None, :], mask=w_mask).to(tl.float32)
-            w = tl.where(w_mask, w, 0.0)
-            scale = tl.load(s_ptr + wide_rows[:, None] * (K // GROUP) + (k // GROUP)[None, :], mask=w_mask, other=0)
+            w = tl.where(w_mask, tl.load(q_ptr + wide_rows[:, None] * K + k[None, :], mask=w_mask).to(tl.float32),
+                         0.0)
+            if not PER_CHANNEL:                                       # per-channel scales apply after the loop
+                w = w * tl.load(s_ptr + wide_rows[:, None] * (K // GROUP) + (k // GROUP)[None, :], mask=w_mask,
+                                other=0)
             xk = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=token_ok[:, None] & (k < K)[None, :],
                          other=0)
-            acc = _dot(acc, xk, w * scale, IEEE)
+            acc = _accumulate(acc, xk, w, ONE_ROW, IEEE)
+    if ONE_ROW:
+        result = tl.sum(acc, axis=1)[None, :]
+    else:
+        result = acc
     if NVFP4:
-        acc = acc * tl.load(r_ptr + rows, mask=row_ok, other=0)[None, :]
+        result = result * tl.load(r_ptr + rows, mask=row_ok, other=0)[None, :]
+    elif PER_CHANNEL:
+        result = result * tl.load(s_ptr + rows, mask=row_ok, other=0)[None, :]
     out = out_ptr + tl.program_id(1) * L * N + tokens[:, None] * N + rows[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
+    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
 
 
 def _splits(device: torch.device, n_blocks: int, k_blocks: int) -> int:
@@ -140,8 +158,9 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
     nvfp4 = row_scale is not None
     _quant_gemv_kernel[(n_blocks, splits)](
         x, q, scale, row_scale if nvfp4 else scale, out, rows, n, k, x.stride(0), k_split,
-        NVFP4=nvfp4, GROUP=group, IEEE=x.dtype == torch.float32 or _INTERPRETED,
-        BLOCK_L=max(16, triton.next_power_of_2(rows)), BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4)
+        NVFP4=nvfp4, GROUP=group, PER_CHANNEL=not nvfp4 and group == k, IEEE=x.dtype == torch.float32 or _INTERPRETED,
+        ONE_ROW=rows == 1, BLOCK_L=1 if rows == 1 else max(16, triton.next_power_of_2(rows)), BLOCK_N=_BLOCK_N,
+        BLOCK_K=_BLOCK_K, TILE_K=_BLOCK_K // 2 if nvfp4 else _BLOCK_K, num_warps=4)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)   # fixed-order reduction: deterministic
 
 
