@@ -392,8 +392,9 @@ def test_projected_bytes_per_token_match_the_built_model(fmt, exclude):
 
 
 def test_bench_quant_runs_every_format_side_by_side():
-    result = bench_quant.run(bench_quant.QuantBenchConfig(context=32, decode_tokens=4, prefill_tokens=32,
-                                                          fidelity_tokens=4, repeats=1, prefill_chunk=64))
+    result = bench_quant.run(bench_quant.QuantBenchConfig(EngineConfig(prefill_chunk=64), context=32,
+                                                          decode_tokens=4, prefill_tokens=32, fidelity_tokens=4,
+                                                          repeats=1))
     rows = {r["format"]: r for r in result["formats"]}
     assert set(rows) == {"dense", "fp8/reference", "nvfp4/reference"}
     assert rows["dense"]["weight_bytes_per_token"] > rows["fp8/reference"]["weight_bytes_per_token"] > \

@@ -134,27 +134,19 @@ def fidelity(reference: torch.Tensor, logits: torch.Tensor, free_ref: list[int],
 
 @dataclasses.dataclass(frozen=True)
 class QuantBenchConfig:
-    model: str = "tiny"
-    device: str = "cpu"
-    dtype: str = "float32"
+    engine: EngineConfig = EngineConfig()   # model, device, dtype, kernels, exclude patterns...; format set per run
     formats: tuple[str, ...] = quant.FORMATS
-    exclude: tuple[str, ...] = ()
     context: int = 256               # tokens before the decode measurement
     decode_tokens: int = 32
     prefill_tokens: int = 256        # cold prefill for TTFT
     fidelity_tokens: int = 16
     repeats: int = 5
-    prefill_chunk: int = 256
-    cuda_graphs: bool = True
-    seed: int = 0
 
 
 def _engine(cfg: QuantBenchConfig, fmt: str) -> Engine:
     needed = max(cfg.context + cfg.decode_tokens, cfg.prefill_tokens, cfg.context + cfg.fidelity_tokens) + 8
-    return Engine(EngineConfig(model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_context=needed,
-                               prefill_chunk=cfg.prefill_chunk, cuda_graphs=cfg.cuda_graphs, weights_format=fmt,
-                               weights_exclude=cfg.exclude, capsule_budget_bytes=0, checksum_on_snapshot=False,
-                               seed=cfg.seed))
+    return Engine(dataclasses.replace(cfg.engine, weights_format=fmt, max_context=needed, capsule_budget_bytes=0,
+                                      checksum_on_snapshot=False))
 
 
 def _format_row(engine: Engine, cfg: QuantBenchConfig, bandwidth: float, prompt: list[int]) -> dict:
@@ -181,7 +173,7 @@ def _format_row(engine: Engine, cfg: QuantBenchConfig, bandwidth: float, prompt:
 def run(cfg: QuantBenchConfig) -> dict:
     """Every format of ``cfg.formats`` (``dense`` first: the others are compared with it), one engine at a time."""
     formats = ("dense",) + tuple(f for f in cfg.formats if f != "dense")
-    device = torch.device(cfg.device)
+    device = torch.device(cfg.engine.device)
     bandwidth = copy_bandwidth(device)
     rows, reference, platform_info, gemvs = [], None, {}, []
     for fmt in formats:
@@ -207,9 +199,10 @@ def run(cfg: QuantBenchConfig) -> dict:
     dense_ms = rows[0]["decode_ms_per_token"]
     for row in rows:
         row["decode_speedup_vs_dense"] = dense_ms / row["decode_ms_per_token"]
-    return {"model": cfg.model, "device": cfg.device, "dtype": cfg.dtype, "exclude": list(cfg.exclude),
-            "copy_bandwidth_GBps": bandwidth / 1e9, "platform": platform_info, "formats": rows, "gemv": gemvs,
-            "thor_projection": thor_projection(cfg.exclude)}
+    engine = cfg.engine
+    return {"model": engine.model, "device": engine.device, "dtype": engine.dtype, "kernels": engine.kernels,
+            "exclude": list(engine.weights_exclude), "copy_bandwidth_GBps": bandwidth / 1e9, "platform": platform_info,
+            "formats": rows, "gemv": gemvs, "thor_projection": thor_projection(engine.weights_exclude)}
 
 
 def thor_projection(exclude: tuple[str, ...] = ()) -> list[dict]:

@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from . import bench_quant, quant
 from .bench import bench_context, cold_prefill_profile, markdown_table
 from .engine import Engine, EngineConfig
 from .errors import FlashRTError
@@ -25,6 +26,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="kernel set (auto: Triton where a start-up probe passes)")
     parser.add_argument("--capsule-budget-mb", type=int, default=None)
     parser.add_argument("--weights-seed", type=int, default=0, help="weights seed for presets")
+    parser.add_argument("--weights-format", default="dense", choices=quant.FORMATS, help="weight quantization")
+    parser.add_argument("--weights-exclude", default="",
+                        help="comma-separated patterns of projections kept dense, e.g. '*.linear_attn.*,lm_head'")
 
 
 def _config(args, max_context: int, chunk: int, budget_mb: int, checksum: bool = True) -> EngineConfig:
@@ -32,7 +36,8 @@ def _config(args, max_context: int, chunk: int, budget_mb: int, checksum: bool =
                         max_context=args.max_context or max_context, prefill_chunk=args.prefill_chunk or chunk,
                         cuda_graphs=not args.no_cuda_graphs, use_fla=not args.no_fla, kernels=args.kernels,
                         capsule_budget_bytes=(args.capsule_budget_mb or budget_mb) << 20, seed=args.weights_seed,
-                        checksum_on_snapshot=checksum)
+                        checksum_on_snapshot=checksum, weights_format=args.weights_format,
+                        weights_exclude=quant.parse_patterns(args.weights_exclude))
 
 
 def cmd_generate(args) -> dict:
@@ -67,11 +72,25 @@ def cmd_bench(args) -> dict:
     rows = [bench_context(engine, c, args.repeats, args.decode_tokens, args.compare_hf) for c in contexts]
     result = {"model": args.model, "device": args.device, "dtype": args.dtype, "kernels": engine.kernel_name,
               "kernel_reason": engine.kernel_reason, "cuda_graphs": len(engine.graphs.graphs),
-              "arena_bytes": engine.arena_bytes, "rows": rows}
+              "arena_bytes": engine.arena_bytes, "weights_format": engine.weights_format,
+              "platform": engine.platform.diagnostics(), "rows": rows}
     if args.profile:
         result["cold_prefill_profile"] = {"context": max(contexts),
                                           "top": cold_prefill_profile(engine, max(contexts))}
     print(markdown_table(rows), file=sys.stderr)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def cmd_bench_quant(args) -> dict:
+    cfg = bench_quant.QuantBenchConfig(
+        engine=_config(args, 1, 256, 0, checksum=False), formats=tuple(args.formats.split(",")),
+        context=args.context, decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens,
+        fidelity_tokens=args.fidelity_tokens, repeats=args.repeats)
+    result = bench_quant.run(cfg)
+    print(bench_quant.markdown(result), file=sys.stderr)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
@@ -108,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--profile", action="store_true", help="also profile one cold prefill at the largest context")
     ben.add_argument("--out", help="write the JSON result here too")
     ben.set_defaults(func=cmd_bench)
+    bq = sub.add_parser("bench-quant", help="weight formats side by side: decode, TTFT, GEMVs, fidelity")
+    _engine_args(bq)
+    bq.add_argument("--formats", default=",".join(quant.FORMATS), help="dense always runs first (the reference)")
+    bq.add_argument("--context", type=int, default=512, help="tokens before the decode measurement")
+    bq.add_argument("--decode-tokens", type=int, default=64)
+    bq.add_argument("--prefill-tokens", type=int, default=2048, help="cold prefill for TTFT")
+    bq.add_argument("--fidelity-tokens", type=int, default=32, help="greedy tokens compared with dense")
+    bq.add_argument("--repeats", type=int, default=10)
+    bq.add_argument("--out", help="write the JSON result here too")
+    bq.set_defaults(func=cmd_bench_quant)
     return parser
 
 

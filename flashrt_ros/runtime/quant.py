@@ -212,6 +212,11 @@ class QuantLinear(nn.Module):
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
 
 
+def parse_patterns(text: str) -> tuple[str, ...]:
+    """``"*.linear_attn.*, lm_head"`` -> the exclude patterns (how the node parameter and the CLI spell them)."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
 def is_excluded(name: str, exclude: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude)
 
