@@ -20,6 +20,7 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from flashrt_ros.discretiser import Discretiser
 from flashrt_ros.runtime import EngineConfig, FlashRTError, SamplingParams
+from flashrt_ros.runtime import quant
 
 _INT_MAX = 2**31 - 1
 
@@ -32,7 +33,13 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
     ("max_context", 2048, "tokens in the live context; the arena is sized from it", (16, 1 << 20), None),
     ("prefill_chunk", 64, "tokens per prefill chunk, a power of two (one graph bucket)", (1, 1 << 16), None),
     ("cuda_graphs", True, "capture CUDA graphs for prefill/decode (ignored on cpu)", None, None),
+    ("weights_format", "dense", "weight quantization: dense (weights in dtype), fp8 (E4M3) or nvfp4 (4-bit)", None,
+     quant.FORMATS),
+    ("weights_exclude", "", "comma-separated patterns of projections kept dense, e.g. '*.linear_attn.*,lm_head'",
+     None, None),
     ("capsule_budget_mb", 256, "memory all capsules together may use, MiB", (0, 1 << 22), None),
+    ("capsule_budget_fraction", 0.0, "on integrated GPUs and the CPU, cap capsule_budget_mb at this share of "
+     "MemAvailable at configure (0 = off)", (0.0, 1.0), None),
     ("history_depth", 32, "commit boundaries kept for rollback(steps=k)", (1, 1 << 16), None),
     ("seed", 0, "weights seed for presets and the sampler seed after reset", (0, 2**63 - 1), None),
     ("sampling.temperature", 0.0, "default sampling temperature (0 = greedy)", (0.0, 100.0), None),
@@ -133,7 +140,9 @@ def read_settings(node) -> NodeSettings:
         engine=EngineConfig(
             model=p["model"], device=p["device"], dtype=p["dtype"], max_context=p["max_context"],
             prefill_chunk=p["prefill_chunk"], cuda_graphs=p["cuda_graphs"],
-            capsule_budget_bytes=p["capsule_budget_mb"] << 20, history_depth=p["history_depth"], seed=p["seed"]),
+            capsule_budget_bytes=p["capsule_budget_mb"] << 20, history_depth=p["history_depth"], seed=p["seed"],
+            weights_format=p["weights_format"], weights_exclude=quant.parse_patterns(p["weights_exclude"]),
+            capsule_budget_fraction=p["capsule_budget_fraction"]),
         discretiser=Discretiser(
             low=p["discretiser.low"], high=p["discretiser.high"], bins=p["discretiser.bins"],
             token_offset=p["discretiser.token_offset"], dims=p["discretiser.dims"],

@@ -152,13 +152,14 @@ def report(**overrides) -> platform.PlatformReport:
 
 
 def test_the_capsule_budget_is_capped_by_a_share_of_mem_available_on_host_memory_devices():
-    assert platform.capsule_budget_bytes(8 << 30, 0.05, report()) == int(0.05 * (100 << 30))
-    assert platform.capsule_budget_bytes(1 << 30, 0.05, report()) == 1 << 30              # the configured cap
-    assert platform.capsule_budget_bytes(8 << 30, 0.0, report()) == 8 << 30               # fraction off
-    assert platform.capsule_budget_bytes(8 << 30, 0.05, report(integrated=False)) == 8 << 30   # discrete GPU
-    assert platform.capsule_budget_bytes(8 << 30, 0.05, report(compute_capability="", integrated=False)) == \
-        int(0.05 * (100 << 30))                                                            # the CPU
-    assert platform.capsule_budget_bytes(8 << 30, 0.05, report(mem_available_bytes=0)) == 8 << 30  # unreadable
+    gib = 1 << 30
+    assert platform.capsule_budget_bytes(8 * gib, 0.05, report(), 100 * gib) == int(0.05 * 100 * gib)
+    assert platform.capsule_budget_bytes(1 * gib, 0.05, report(), 100 * gib) == gib          # the configured cap
+    assert platform.capsule_budget_bytes(8 * gib, 0.0, report(), 100 * gib) == 8 * gib      # fraction off
+    assert platform.capsule_budget_bytes(8 * gib, 0.05, report(integrated=False), 100 * gib) == 8 * gib  # discrete
+    cpu = report(compute_capability="", integrated=False)
+    assert platform.capsule_budget_bytes(8 * gib, 0.05, cpu, 100 * gib) == int(0.05 * 100 * gib)
+    assert platform.capsule_budget_bytes(8 * gib, 0.05, report(), 0) == 8 * gib            # MemAvailable unreadable
 
 
 def test_the_engine_reports_its_probes_and_jetson_facts(monkeypatch):

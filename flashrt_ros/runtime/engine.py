@@ -134,7 +134,7 @@ class Engine:
         self._count = torch.ones(1, dtype=torch.int64, device=self.device)   # real tokens of a small piece
         self.fingerprint = self._compute_fingerprint(dtype)
         self.store = CapsuleStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
-                                                                self.platform))
+                                                                self.platform, platform.mem_available_bytes()))
         self._fixed_span = self.arena.specs["kv"].offset
         self._history = torch.zeros(cfg.history_depth, self._fixed_span, dtype=torch.uint8, device=self.device)
         self._boundaries: deque[_Boundary] = deque()          # oldest first

@@ -199,10 +199,10 @@ def probe(device: torch.device, dtype: torch.dtype) -> PlatformReport:
         mem_available_bytes=mem_available_bytes())
 
 
-def capsule_budget_bytes(configured: int, fraction: float, report: PlatformReport) -> int:
-    """The capsule budget: ``configured``, capped at ``fraction`` of MemAvailable where capsules live in host DRAM
-    (integrated GPUs, the CPU). ``fraction`` 0 disables the cap."""
-    if fraction > 0 and report.host_memory and report.mem_available_bytes:
-        return min(configured, int(fraction * report.mem_available_bytes))
+def capsule_budget_bytes(configured: int, fraction: float, report: PlatformReport, available: int) -> int:
+    """The capsule budget: ``configured``, capped at ``fraction`` of ``available`` (MemAvailable now) where capsules
+    live in host DRAM (integrated GPUs, the CPU). ``fraction`` 0 disables the cap; so does an unreadable 0."""
+    if fraction > 0 and report.host_memory and available:
+        return min(configured, int(fraction * available))
     return configured
 
