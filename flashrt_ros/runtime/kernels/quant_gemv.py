@@ -105,9 +105,14 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, k
             byte_index = k0 // 2 + tl.arange(0, TILE_K)               # byte j holds k = 2j (low) and 2j + 1 (high)
             w_mask = row_ok[:, None] & (byte_index < K // 2)[None, :]
             packed = tl.load(q_ptr + wide_rows[:, None] * (K // 2) + byte_index[None, :], mask=w_mask, other=0)
-            scale = tl.load(s_ptr + wide_rows[:, None] * (K // 16) + (byte_index // 8)[None, :], mask=w_mask)
-            scale = tl.where(w_mask, scale.to(tl.float32) * 16384.0, 0.0)
             packed = packed.to(tl.int32)
+            # One E4M3 scale per 8 bytes: load the [BLOCK_N, TILE_K / 8] scales once, then widen them in registers
+            # (a per-byte gather would issue 8x the loads of the weights themselves).
+            group = k0 // 16 + tl.arange(0, TILE_K // 8)
+            s_mask = row_ok[:, None] & (group < K // 16)[None, :]
+            scale = tl.load(s_ptr + wide_rows[:, None] * (K // 16) + group[None, :], mask=s_mask)
+            scale = tl.where(s_mask, scale.to(tl.float32) * 16384.0, 0.0)
+            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, TILE_K // 8, 8)), (BLOCK_N, TILE_K))
             x_mask = token_ok[:, None] & (byte_index < K // 2)[None, :]
             x_even = tl.load(x_ptr + tokens[:, None] * stride_x + 2 * byte_index[None, :], mask=x_mask, other=0)
             x_odd = tl.load(x_ptr + tokens[:, None] * stride_x + 2 * byte_index[None, :] + 1, mask=x_mask, other=0)
