@@ -41,7 +41,7 @@ def _run_bucket(engine, real, pad, start_bytes):
     """The arena storage after one small piece of ``real`` tokens padded with ``pad``, from ``start_bytes``."""
     engine.arena.storage.copy_(start_bytes)
     tokens = torch.tensor(real + pad, dtype=torch.int64)
-    count = torch.tensor([len(real)], dtype=torch.int64)
+    count = torch.tensor(len(real), dtype=torch.int64)
     with torch.inference_mode():
         engine.model.forward(tokens, engine._kv_bucket(engine.position + len(tokens)), count=count)
     return engine.arena.storage.clone()

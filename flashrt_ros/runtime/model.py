@@ -245,7 +245,7 @@ class Qwen35(nn.Module):
                 dense: bool = False) -> None:
         """Append tokens to the stream: update every state buffer, the last hidden state and the position.
 
-        ``tokens`` [L]; ``count`` (a 1-element int64 device tensor) says how many of them are real: the rest pad a
+        ``tokens`` [L]; ``count`` (a 0-d int64 device tensor) says how many of them are real: the rest pad a
         fixed-size bucket and touch no state. None means all L. ``kv_len`` bounds the attention span: a bucket
         >= position + L (it selects a graph, not a result), or with ``dense`` exactly position + L (eager pieces).
         """
@@ -276,10 +276,10 @@ class Qwen35(nn.Module):
         hidden = h                                            # the final norm's output
         if cfg.mtp_num_hidden_layers:
             self._mtp_forward(embeds, hidden, cos, sin, positions, count, kernels)
-        last = slice(length - 1, length) if count is None else count - 1
-        arena["hidden"].copy_(hidden[last][0])
-        meta[LAST_TOKEN:LAST_TOKEN + 1].copy_(tokens[last])
-        meta[POSITION] += length if count is None else count[0]
+        last = length - 1 if count is None else count - 1
+        arena["hidden"].copy_(hidden[last])
+        meta[LAST_TOKEN] = tokens[last]
+        meta[POSITION] += length if count is None else count
 
     def _mtp_forward(self, embeds, hidden, cos, sin, positions, count, kernels) -> None:
         """Advance the MTP head's KV: the pair at position p is (hidden state before token p, embedding of token p).

@@ -12,17 +12,19 @@ from typing import Callable
 
 import torch
 
-from . import _interim
 from ._triton import IMPORT_ERROR, triton
-from .attention import attention_causal, attention_masked
-from .conv import causal_conv
-from .delta_rule import delta_rule_chunked, delta_rule_fla, delta_rule_recurrent, fla_available
-from .norms import gated_rms_norm, l2norm, rms_norm
-from .rope import apply_rope
+from .activations import silu_mul, silu_mul_triton
+from .attention import attention_causal, attention_decode_triton, attention_masked, attention_prefill
+from .conv import causal_conv, causal_conv_triton
+from .delta_rule import (delta_rule_chunked, delta_rule_fla, delta_rule_gates, delta_rule_recurrent, fla_available,
+                         gated_delta_rule_reference, gated_delta_rule_triton)
+from .norms import (add_rms_norm, add_rms_norm_triton, gated_rms_norm, gated_rms_norm_triton, l2norm, rms_norm,
+                    rms_norm_triton)
+from .rope import apply_rope, qk_norm_rope_kv_write, qk_norm_rope_kv_write_triton
 
-__all__ = ["KernelSet", "REFERENCE", "apply_rope", "attention_causal", "attention_masked", "causal_conv",
-           "delta_rule_chunked", "delta_rule_fla", "delta_rule_recurrent", "fla_available", "gated_rms_norm",
-           "l2norm", "rms_norm", "select"]
+__all__ = ["CHOICES", "KernelSet", "REFERENCE", "TRITON", "apply_rope", "attention_causal", "attention_masked",
+           "causal_conv", "delta_rule_chunked", "delta_rule_fla", "delta_rule_recurrent", "fla_available",
+           "gated_rms_norm", "l2norm", "rms_norm", "select"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,28 +44,41 @@ class KernelSet:
 
 
 REFERENCE = KernelSet(
-    name="reference", rms_norm=rms_norm, add_rms_norm=_interim.add_rms_norm, gated_rms_norm=gated_rms_norm,
-    silu_mul=_interim.silu_mul, causal_conv=_interim.causal_conv,
-    qk_norm_rope_kv_write=_interim.qk_norm_rope_kv_write, gated_delta_rule=_interim.gated_delta_rule,
-    delta_rule_long=_interim.delta_rule_long, attention_decode=attention_masked, attention_prefill=attention_causal)
+    name="reference", rms_norm=rms_norm, add_rms_norm=add_rms_norm, gated_rms_norm=gated_rms_norm,
+    silu_mul=silu_mul, causal_conv=causal_conv, qk_norm_rope_kv_write=qk_norm_rope_kv_write,
+    gated_delta_rule=gated_delta_rule_reference, delta_rule_long=gated_delta_rule_reference,
+    attention_decode=attention_masked, attention_prefill=attention_causal)
+
+TRITON = KernelSet(
+    name="triton", rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton, gated_rms_norm=gated_rms_norm_triton,
+    silu_mul=silu_mul_triton, causal_conv=causal_conv_triton, qk_norm_rope_kv_write=qk_norm_rope_kv_write_triton,
+    gated_delta_rule=gated_delta_rule_triton, delta_rule_long=gated_delta_rule_reference,
+    attention_decode=attention_decode_triton, attention_prefill=attention_prefill)
+
+
+def _gated_delta_rule_fla(q, k, v, a, b, A_log, dt_bias, state, count=None):
+    """fla-core's chunked kernel behind the gated contract (eager long pieces only: count is always None there)."""
+    return delta_rule_fla(q, k, v, *delta_rule_gates(a, b, A_log, dt_bias), state)
 
 
 def _with_fla(kernels: KernelSet) -> KernelSet:
-    return dataclasses.replace(kernels, name=f"{kernels.name}+fla", delta_rule_long=_interim.delta_rule_fla_gated)
+    return dataclasses.replace(kernels, name=f"{kernels.name}+fla", delta_rule_long=_gated_delta_rule_fla)
 
 
 CHOICES = ("auto", "triton", "reference")
 
 
 def select(choice: str, device: torch.device, use_fla: bool) -> tuple[KernelSet, str]:
-    """The kernel set for ``device`` and why. ``auto``: Triton where a start-up probe compiles and runs a kernel
-    on the device and matches the reference, else the reference. ``triton`` insists (raises if it cannot run);
-    on the CPU it needs Triton's interpreter (TRITON_INTERPRET=1, for tests)."""
+    """The kernel set for ``device`` and why. ``auto``: on CUDA, Triton where a start-up probe compiles and runs a
+    kernel on the device and matches the reference, else the reference; on the CPU, the reference. ``triton``
+    insists (raises if it cannot run); on the CPU it needs Triton's interpreter (TRITON_INTERPRET=1, for tests)."""
     if choice not in CHOICES:
         raise ValueError(f"kernels must be one of {CHOICES}, got {choice!r}")
     fla = use_fla and device.type == "cuda" and fla_available()
     chosen, reason = REFERENCE, "reference kernels requested"
-    if choice != "reference":
+    if choice == "auto" and device.type != "cuda":
+        reason = f"reference kernels: the fast kernels are for CUDA, the device is {device.type}"
+    elif choice != "reference":
         failure = _probe_triton(device)
         if failure is None:
             chosen, reason = TRITON, "triton probe passed"
@@ -94,5 +109,3 @@ def _probe_triton(device: torch.device) -> str | None:
         return f"triton probe failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     return None
 
-
-TRITON = REFERENCE  # replaced below once the fast kernels are wired in
