@@ -131,7 +131,7 @@ class Engine:
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
         self._sampling: SamplingParams | None = None
         self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET), dtype=torch.int64, device=self.device)
-        self._count = torch.ones(1, dtype=torch.int64, device=self.device)   # real tokens of a small piece
+        self._count = torch.ones((), dtype=torch.int64, device=self.device)  # real tokens of a small piece
         self.fingerprint = self._compute_fingerprint(dtype)
         self.store = CapsuleStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
                                                                 self.platform, platform.mem_available_bytes()))
