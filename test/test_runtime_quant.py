@@ -405,6 +405,25 @@ def test_bench_quant_runs_every_format_side_by_side():
     assert "projection" in bench_quant.markdown(result)
 
 
+def run_cli(capsys, *argv) -> tuple[int, dict]:
+    from flashrt_ros.runtime.cli import main
+    code = main(list(argv))
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_the_cli_runs_a_quantized_engine_and_refuses_hf_comparison_of_one(capsys, tmp_path):
+    code, out = run_cli(capsys, "generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
+                        "--weights-format", "nvfp4", "--weights-exclude", "*.linear_attn.*, lm_head")
+    assert code == 0 and len(out["tokens"]) == 3
+    code, out = run_cli(capsys, "bench", "--contexts", "64", "--weights-format", "fp8", "--compare-hf")
+    assert code == 2 and out["error"] == "INVALID_ARGUMENT" and "--compare-hf" in out["message"]
+    code, out = run_cli(capsys, "bench-quant", "--formats", "nvfp4", "--context", "16", "--decode-tokens", "2",
+                        "--prefill-tokens", "16", "--fidelity-tokens", "2", "--repeats", "1", "--prefill-chunk", "64",
+                        "--out", str(tmp_path / "q.json"))
+    assert code == 0 and [r["format"] for r in out["formats"]] == ["dense", "nvfp4/reference"]
+    assert json.loads((tmp_path / "q.json").read_text())["formats"] == out["formats"]
+
+
 # ---- on the GPU ----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

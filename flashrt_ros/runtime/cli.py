@@ -9,7 +9,7 @@ import time
 from . import bench_quant, quant
 from .bench import bench_context, cold_prefill_profile, markdown_table
 from .engine import Engine, EngineConfig
-from .errors import FlashRTError
+from .errors import ErrorCode, FlashRTError
 from .sampler import SamplingParams
 from .verify import verify
 
@@ -66,6 +66,9 @@ def cmd_verify(args) -> dict:
 
 
 def cmd_bench(args) -> dict:
+    if args.compare_hf and args.weights_format != "dense":
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "--compare-hf runs transformers on the dense weights: use "
+                                                       "--weights-format dense (bench-quant compares the formats)")
     contexts = [int(c) for c in args.contexts.split(",")]
     engine = Engine(_config(args, max(contexts) + 24 + args.decode_tokens + 8, 16384,
                             8192, checksum=False))
