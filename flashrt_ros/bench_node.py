@@ -6,7 +6,9 @@ Measures, over loopback DDS:
   node's own ``latency_ms`` is reported next to it, so the ROS share is visible);
 * the latency from publishing an urgent observation to receiving its first token while a long
   generation runs, next to the same observation's latency on an idle node (the node streams one
-  token per chunk here, so the first chunk is the first token).
+  token per chunk here, so the first chunk is the first token);
+* bursts: 500 observations published at full speed, 100 concurrent service calls and 30 concurrent
+  ``~/generate`` goals, each as answered / sent and the p50/p99 time to its answer.
 
 Prints a markdown table and writes the raw figures as JSON (``--out``)::
 
@@ -113,6 +115,82 @@ def first_token_latency(client, trials, long_tokens):
              "round_trip": percentiles(idle)}]
 
 
+def _wait_all(count, answered, timeout: float, quiet_s: float = 5.0) -> None:
+    """Wait until ``answered()`` reaches ``count``, or nothing new arrived for ``quiet_s`` (lost for good)."""
+    deadline, last, last_change = time.monotonic() + timeout, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        n = answered()
+        if n >= count:
+            return
+        if n != last:
+            last, last_change = n, time.monotonic()
+        elif time.monotonic() - last_change > quiet_s:
+            return
+        time.sleep(0.01)
+
+
+def _burst_row(op, sent, latencies_ms, extra=None):
+    row = {"op": op, "sent": sent, "answered": len(latencies_ms),
+           "round_trip": percentiles(latencies_ms) if latencies_ms else None}
+    return {**row, **(extra or {})}
+
+
+def burst_observations(client, count: int = 500, timeout: float = 120.0):
+    """Publish ``count`` generating observations (one token id, one new token) as fast as possible; an
+    observation is answered by its final ~/tokens chunk (success or ``error``). Also counts the node's
+    'observation_lost' reports on ~/events (0 on a node that predates them)."""
+    from flashrt_ros.msg import StateEvent
+
+    lost = []
+    sub = client.node.create_subscription(
+        StateEvent, f"{client.ns}/events", lambda e: lost.append(e.count) if e.op == "observation_lost" else None,
+        1000)
+    sent_at = {}
+    for _ in range(count):
+        observation = client.observation(token_ids=[65], max_new_tokens=1)
+        sent_at[client.publish(observation)] = time.perf_counter()
+    _wait_all(count, lambda: len(client.finished_streams(sent_at)), timeout)
+    done = client.finished_streams(sent_at)
+    client.node.destroy_subscription(sub)
+    latencies = [(s.first_token_at - sent_at[stamp]) * 1e3 for stamp, s in done.items()]
+    return _burst_row("burst: observations -> final chunk", count, latencies, {"reported_lost": sum(lost)})
+
+
+def burst_services(client, count: int = 100, timeout: float = 60.0):
+    """``count`` concurrent service calls (half snapshots, half list_capsules); each must be answered."""
+    started = time.perf_counter()
+    answered = {}
+    futures = [client.call_async("snapshot" if i % 2 else "list_capsules", **({"label": "burst"} if i % 2 else {}))
+               for i in range(count)]
+    for i, future in enumerate(futures):
+        future.add_done_callback(lambda f, i=i: answered.setdefault(i, (time.perf_counter() - started) * 1e3))
+    _wait_all(count, lambda: len(answered), timeout)
+    refused = sum(1 for f in futures if f.done() and f.result() is not None and not f.result().success)
+    for f in futures:
+        if f.done() and f.result() is not None and getattr(f.result(), "capsule", None) and f.result().success:
+            client.drop(f.result().capsule.id)
+    return _burst_row("burst: concurrent service calls", count, list(answered.values()), {"refused": refused})
+
+
+def burst_goals(client, count: int = 30, timeout: float = 120.0):
+    """``count`` ~/generate goals at once: each gets a result or a rejection (goals past the cap)."""
+    from flashrt_ros.client import ClientError
+
+    started = time.perf_counter()
+    answered, rejected = {}, []
+    futures = [client.generate_async(token_ids=[66], max_new_tokens=2, temperature=0.0) for _ in range(count)]
+
+    def done(i, future):
+        answered.setdefault(i, (time.perf_counter() - started) * 1e3)
+        if isinstance(future.exception(), ClientError):
+            rejected.append(i)
+    for i, future in enumerate(futures):
+        future.add_done_callback(lambda f, i=i: done(i, f))
+    _wait_all(count, lambda: len(answered), timeout)
+    return _burst_row("burst: concurrent ~/generate goals", count, list(answered.values()),
+                      {"rejected": len(rejected)})
+
+
 def markdown(rows) -> str:
     lines = ["| measurement | context (tokens) | n | p50 (ms) | p99 (ms) | node p50 (ms) |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -124,6 +202,15 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
+def burst_markdown(rows) -> str:
+    lines = ["| burst | sent | answered | p50 (ms) | p99 (ms) | notes |", "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        rt = r["round_trip"] or {"p50_ms": float("nan"), "p99_ms": float("nan")}
+        notes = ", ".join(f"{k} {r[k]}" for k in ("reported_lost", "refused", "rejected") if k in r)
+        lines.append(f"| {r['op']} | {r['sent']} | {r['answered']} | {rt['p50_ms']:.1f} | {rt['p99_ms']:.1f} | {notes} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
@@ -132,9 +219,12 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--long-tokens", type=int, default=256)
+    parser.add_argument("--burst-observations", type=int, default=500)
+    parser.add_argument("--burst-calls", type=int, default=100)
+    parser.add_argument("--burst-goals", type=int, default=30)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    max_context = max(args.contexts) + args.long_tokens + 128
+    max_context = max(max(args.contexts) + args.long_tokens, 2 * args.burst_observations + 4 * args.burst_goals) + 128
 
     ensure_loopback_env()
     log_path = Path(tempfile.mkdtemp(prefix="flashrt_bench_")) / "node.log"
@@ -142,12 +232,17 @@ def main(argv=None) -> int:
                     autostart=True, stream_chunk_tokens=1) as (client, _):
         rows = [row for context in args.contexts for row in service_latency(client, context, args.calls)]
         rows += first_token_latency(client, args.trials, args.long_tokens)
+        _check(client.reset(), "reset")
+        bursts = [burst_observations(client, args.burst_observations), burst_services(client, args.burst_calls),
+                  burst_goals(client, args.burst_goals)]
     print(markdown(rows))
+    print()
+    print(burst_markdown(bursts))
     if args.out:
         meta = {"model": args.model, "device": args.device, "max_context": max_context,
                 "machine": platform.platform(), "python": platform.python_version(),
                 "command": " ".join(["python -m flashrt_ros.bench_node", *(argv or sys.argv[1:])])}
-        args.out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+        args.out.write_text(json.dumps({"meta": meta, "results": rows, "bursts": bursts}, indent=2))
     return 0
 
 

@@ -17,24 +17,17 @@ import rclpy.executors
 from rclpy.action import ActionClient
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rclpy.task import Future
-from std_srvs.srv import Trigger
 
 from flashrt_ros.action import Generate
 from flashrt_ros.msg import Observation, TokenChunk
-from flashrt_ros.srv import DropCapsule, Fork, ListCapsules, Restore, Resume, Rollback, Snapshot
+from flashrt_ros.operations import resolve_type, services
+from flashrt_ros.srv import Hold
 
-SERVICE_TYPES = {
-    "snapshot": Snapshot,
-    "restore": Restore,
-    "fork": Fork,
-    "rollback": Rollback,
-    "list_capsules": ListCapsules,
-    "drop_capsule": DropCapsule,
-    "resume": Resume,
-    "reset": Trigger,
-}
+# ~/<name> -> type, from the operations table (plus ~/hold, the replay's boundary placement)
+SERVICE_TYPES = {**{op.interface: resolve_type(op.ros_type) for op in services()}, "hold": Hold}
+REQUEST_QUEUE_DEPTH = 1000
 NOT_ACTIVE = 12  # msg/ErrorCode.NOT_ACTIVE: the lifecycle node is not active (yet)
-_KEPT_STREAMS = 256  # finished streams nobody waited for are forgotten after this many
+_KEPT_STREAMS = 4096  # finished streams nobody waited for are forgotten after this many (a burst fits)
 
 
 _PROBE_TIMEOUT_S = 2.0
@@ -110,6 +103,10 @@ class _StreamCollector:
             stream.finish_reason = chunk.finish_reason
             self._cond.notify_all()
 
+    def finished(self, stamps: set) -> dict:
+        with self._cond:
+            return {s.observation_stamp_ns: s for s in self._streams if s.final and s.observation_stamp_ns in stamps}
+
     def wait(self, matches, timeout: float, min_tokens: int | None = None) -> Stream:
         """Return the oldest stream for which ``matches(stream)`` holds.
 
@@ -143,11 +140,14 @@ class FlashRTClient:
 
     def __init__(self, node, ns: str = "/flashrt", timeout: float = 30.0):
         self.node = node
+        self.ns = ns
         self.timeout = timeout
-        self._clients = {name: node.create_client(srv, f"{ns}/{name}")
+        # deep queues, so a burst of requests and their answers is never dropped at the default depth of 10
+        reliable = QoSProfile(depth=REQUEST_QUEUE_DEPTH, reliability=ReliabilityPolicy.RELIABLE)
+        self._clients = {name: node.create_client(srv, f"{ns}/{name}", qos_profile=reliable)
                          for name, srv in SERVICE_TYPES.items()}
-        self._action = ActionClient(node, Generate, f"{ns}/generate")
-        reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+        self._action = ActionClient(node, Generate, f"{ns}/generate", goal_service_qos_profile=reliable,
+                                    result_service_qos_profile=reliable, cancel_service_qos_profile=reliable)
         self._observations = node.create_publisher(Observation, f"{ns}/observation", reliable)
         self._streams = _StreamCollector()
         self._tokens = node.create_subscription(TokenChunk, f"{ns}/tokens",
@@ -279,6 +279,11 @@ class FlashRTClient:
                 return s.request_id == request_id
         return self._streams.wait(matches, self.timeout if timeout is None else timeout, min_tokens)
 
+    def finished_streams(self, stamps) -> dict:
+        """The finished streams among those caused by the observations stamped ``stamps`` (ns), by stamp;
+        they stay buffered (the last ``_KEPT_STREAMS`` streams)."""
+        return self._streams.finished(set(stamps))
+
     def observe(self, text: str = "", max_new_tokens: int = 16, priority: int = 0,
                 timeout: float | None = None, **fields) -> Stream:
         """Publish an observation that generates (``max_new_tokens`` > 0) and collect its tokens.
@@ -305,8 +310,6 @@ class FlashRTClient:
                              override_sampling=temperature is not None,
                              temperature=temperature or 0.0, top_p=top_p, top_k=top_k,
                              reseed=seed is not None, seed=seed or 0)
-        if not self._action.server_is_ready() and not self._action.wait_for_server(self.timeout):
-            raise ClientError("action server not available")
         result = Future()
 
         def on_result(future):
@@ -319,8 +322,14 @@ class FlashRTClient:
             else:
                 handle.get_result_async().add_done_callback(on_result)
 
-        self._action.send_goal_async(goal).add_done_callback(on_goal)
+        self.send_goal(goal).add_done_callback(on_goal)
         return result
+
+    def send_goal(self, goal) -> Future:
+        """Send a ``Generate.Goal`` as it is; the returned future completes with its goal handle."""
+        if not self._action.server_is_ready() and not self._action.wait_for_server(self.timeout):
+            raise ClientError("action server not available")
+        return self._action.send_goal_async(goal)
 
     def generate(self, text: str = "", max_new_tokens: int = 16, timeout: float | None = None, **kw):
         return self.wait(self.generate_async(text, max_new_tokens, **kw), timeout)

@@ -29,17 +29,18 @@ from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import Node, State, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
-from std_srvs.srv import Trigger
 
 from flashrt_ros import ros_convert as conv
 from flashrt_ros.action import Generate
 from flashrt_ros.engine_worker import EngineWorker
 from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
+from flashrt_ros.operations import OPERATIONS, Operation, resolve_type, services
 from flashrt_ros.params import NodeSettings, check_update, declare_parameters, read_settings
 from flashrt_ros.runtime import Engine, ErrorCode, FlashRTError
 from flashrt_ros.session import (CANCELED, PRIORITY_URGENT, ActionOutput, EventOutput, Session,
                                  TokenOutput)
-from flashrt_ros.srv import DropCapsule, Fork, ListCapsules, Restore, Resume, Rollback, Snapshot
+from flashrt_ros.ros_convert import SequenceGaps
+from flashrt_ros.srv import Hold
 
 EXECUTOR_THREADS = 16  # blocking service/action callbacks each hold one thread while the engine works
 # Goals hold an executor thread for as long as they wait and stream; beyond this many at once a new goal is
@@ -47,8 +48,13 @@ EXECUTOR_THREADS = 16  # blocking service/action callbacks each hold one thread 
 MAX_GOALS_IN_FLIGHT = EXECUTOR_THREADS // 2
 
 # Events are an audit trail: keep them for late joiners (bag recorders) and never drop them.
-_EVENTS_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE,
+_EVENTS_QOS = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE,
                          durability=DurabilityPolicy.TRANSIENT_LOCAL)
+# Request queues of every service and of the action's goal/cancel/result services: a burst of this many requests
+# waits in DDS (reliable) until an executor thread takes it, instead of being dropped at the default depth of 10.
+REQUEST_QUEUE_DEPTH = 1000
+REQUEST_QOS = QoSProfile(depth=REQUEST_QUEUE_DEPTH, reliability=ReliabilityPolicy.RELIABLE)
+OUTPUT_DEPTH = 1000  # ~/tokens and ~/action history, so a slow subscriber sees a burst's answers
 
 
 class FlashRTNode(Node):
@@ -67,23 +73,23 @@ class FlashRTNode(Node):
         self._observation_sub = None
         self._diagnostics_timer = None
 
-        self._tokens_pub = self.create_lifecycle_publisher(TokenChunk, "~/tokens", 100)
-        self._action_pub = self.create_lifecycle_publisher(ActionChunk, "~/action", 10)
-        self._events_pub = self.create_lifecycle_publisher(StateEvent, "~/events", _EVENTS_QOS)
+        # ~/tokens and ~/events publish in every configured state, so that refusals while inactive are answered
+        self._tokens_pub = self.create_publisher(TokenChunk, "~/tokens", OUTPUT_DEPTH)
+        self._action_pub = self.create_lifecycle_publisher(ActionChunk, "~/action", OUTPUT_DEPTH)
+        self._events_pub = self.create_publisher(StateEvent, "~/events", _EVENTS_QOS)
+        self._loss = SequenceGaps()
+        self._observations_lost = 0
         self._diagnostics_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
 
-        services = [
-            (Snapshot, "snapshot", self._snapshot), (Restore, "restore", self._restore),
-            (Fork, "fork", self._fork), (Rollback, "rollback", self._rollback),
-            (ListCapsules, "list_capsules", self._list_capsules), (DropCapsule, "drop_capsule", self._drop),
-            (Resume, "resume", self._resume), (Trigger, "reset", self._reset),
-        ]
-        for srv_type, name, callback in services:
-            self.create_service(srv_type, f"~/{name}", callback, callback_group=self._group)
+        for op in services():
+            self.create_service(resolve_type(op.ros_type), f"~/{op.interface}", self._service(op),
+                                qos_profile=REQUEST_QOS, callback_group=self._group)
+        self.create_service(Hold, "~/hold", self._hold, qos_profile=REQUEST_QOS, callback_group=self._group)
         self._action_server = ActionServer(
             self, Generate, "~/generate", execute_callback=self._execute_goal,
             goal_callback=self._accept_goal, cancel_callback=lambda _: CancelResponse.ACCEPT,
-            callback_group=self._group)
+            goal_service_qos_profile=REQUEST_QOS, result_service_qos_profile=REQUEST_QOS,
+            cancel_service_qos_profile=REQUEST_QOS, callback_group=self._group)
 
         if self.get_parameter("autostart").value:
             if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
@@ -100,7 +106,7 @@ class FlashRTNode(Node):
             settings = read_settings(self)
             engine = Engine(settings.engine)
             session = Session(engine, discretiser=settings.discretiser, default_sampling=settings.sampling,
-                              emit=self._emit, stream_chunk_tokens=settings.stream_chunk_tokens)
+                              emit=self._emit, stream_chunk_tokens=settings.stream_chunk_tokens, active=False)
         except Exception as e:  # noqa: BLE001 - any load failure leaves the node unconfigured, retryable
             self._last_error = f"configure: {e}"
             self.get_logger().error(f"configure failed: {e}")
@@ -118,16 +124,21 @@ class FlashRTNode(Node):
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
         result = super().on_activate(state)  # enables the lifecycle publishers first
+        self._lifecycle("activate")
         self._active = True
         return result
 
     def on_deactivate(self, state: State) -> TransitionCallbackReturn:
         self._active = False
-        try:
-            self._worker.halt(ErrorCode.NOT_ACTIVE, "node deactivated").result(self._settings.request_timeout_s)
-        except FutureTimeout:
-            self.get_logger().error("engine thread did not stop its generation in time")
+        self._lifecycle("deactivate")  # ends a running generation; what still waits is refused NOT_ACTIVE
         return super().on_deactivate(state)
+
+    def _lifecycle(self, method: str) -> None:
+        """Tell the Session (an 'activate' / 'deactivate' event) and wait for it, at a token boundary."""
+        try:
+            self._worker.submit(lambda s: getattr(s, method)()).result(self._settings.request_timeout_s)
+        except FutureTimeout:
+            self.get_logger().error(f"engine thread did not {method} in time")
 
     def on_cleanup(self, state: State) -> TransitionCallbackReturn:
         self._teardown()
@@ -164,7 +175,7 @@ class FlashRTNode(Node):
         except ValueError as e:
             return SetParametersResult(successful=False, reason=str(e))
         if worker is not None:
-            worker.submit(lambda s: setattr(s, "default_sampling", sampling))
+            worker.submit(lambda s: s.set_sampling(sampling.temperature, sampling.top_p, sampling.top_k))
         return SetParametersResult(successful=True)
 
     # ---- engine output (runs on the engine thread) -------------------------------------------
@@ -188,11 +199,12 @@ class FlashRTNode(Node):
         """Run ``fn(session)`` on the engine thread; return ``(result, latency_ms)`` or raise FlashRTError.
 
         ``latency_ms`` is the operation's own time at its token boundary (queueing excluded).
-        A request that times out before it started is withdrawn, so it never runs later.
+        A request that times out before it started is withdrawn, so it never runs later. Whether the
+        node is active is the Session's check (its refusal is an event); here only "no engine".
         """
         worker = self._worker
-        if not self._active or worker is None:
-            raise FlashRTError(ErrorCode.NOT_ACTIVE, "node is not active")
+        if worker is None:
+            raise FlashRTError(ErrorCode.NOT_ACTIVE, "node is not configured")
 
         def timed(session):
             start = time.perf_counter()
@@ -211,87 +223,50 @@ class FlashRTNode(Node):
         except Exception as e:  # noqa: BLE001
             raise FlashRTError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}") from e
 
-    def _run(self, fn: Callable[[Session], object], response, fill: Callable[[object, object, float], None]):
-        """Answer a service: success/message/error_code, and ``fill(response, result, latency_ms)``."""
-        try:
-            result, latency_ms = self._call(fn)
-        except FlashRTError as e:
-            return _refuse(response, e.code, e.message)
-        response.success, response.message, response.error_code = True, "", int(ErrorCode.OK)
-        fill(response, result, latency_ms)
-        return response
+    def _service(self, op: Operation):
+        """The callback of ``op``'s service: request fields -> Session method -> typed result -> response."""
+        method = op.method
 
-    def _snapshot(self, req, resp):
-        def fill(r, info, ms):
-            r.capsule, r.latency_ms = conv.capsule_msg(info), ms
-        return self._run(lambda s: s.snapshot(req.capsule_id, req.label), resp, fill)
-
-    def _restore(self, req, resp):
-        def fill(r, res, ms):
-            r.capsule, r.position, r.latency_ms = conv.capsule_msg(res[0]), res[1], ms
-        return self._run(lambda s: (s.restore(req.capsule_id, req.verify_checksum), s.engine.position), resp, fill)
-
-    def _fork(self, req, resp):
-        def fill(r, res, ms):
-            r.capsule, r.position, r.latency_ms = conv.capsule_msg(res[0]), res[1], ms
-        return self._run(lambda s: (s.fork(req.source_id, req.capsule_id, req.label, req.switch_to),
-                                    s.engine.position), resp, fill)
-
-    def _rollback(self, req, resp):
-        def rollback(s):
+        def handle(req, resp):
+            kwargs = conv.session_kwargs(op, req)
             try:
-                return s.rollback(req.capsule_id, req.steps)
-            except FlashRTError:
-                resp.position = s.engine.position  # a refusal reports the live position it left unchanged
-                raise
+                result, latency_ms = self._call(lambda s: getattr(s, method)(**kwargs))
+            except FlashRTError as e:
+                return conv.refusal(resp, e)
+            return conv.response(resp, result, latency_ms)
+        return handle
 
-        def fill(r, position, ms):
-            r.position, r.latency_ms = position, ms
-        return self._run(rollback, resp, fill)
-
-    def _list_capsules(self, req, resp):
-        def snapshot_of_store(s):
-            e = s.engine
-            return s.capsules(), e.capsule_bytes_used, e.capsule_budget_bytes, e.position, e.live_parent
-
-        def fill(r, res, ms):
-            capsules, r.used_bytes, r.budget_bytes, r.live_position, r.live_parent = res
-            r.capsules = [conv.capsule_msg(c) for c in capsules]
-        return self._run(snapshot_of_store, resp, fill)
-
-    def _drop(self, req, resp):
-        def fill(r, freed, ms):
-            r.freed_bytes = freed
-        return self._run(lambda s: s.drop(req.capsule_id), resp, fill)
-
-    def _resume(self, req, resp):
-        def resume(s):
-            gen = s.resume(req.capsule_id)
-            return gen.request_id, s.engine.position, gen.remaining
-
-        def fill(r, res, ms):
-            r.request_id, r.position, r.remaining_tokens = res
-        return self._run(resume, resp, fill)
-
-    def _reset(self, req, resp):
-        # std_srvs/Trigger has no error_code field: a refusal names its code in the message.
-        try:
-            self._call(lambda s: s.reset())
-        except FlashRTError as e:
-            resp.success, resp.message = False, f"{e.code.name}: {e.message}"
-            return resp
-        resp.success, resp.message = True, "context emptied; capsules kept"
+    def _hold(self, req, resp):
+        """Replay support (``~/hold``): see :meth:`EngineWorker.hold`."""
+        if self._worker is None:
+            return conv.refusal(resp, FlashRTError(ErrorCode.NOT_ACTIVE, "node is not configured"))
+        if len(req.request_ids) != len(req.positions):
+            return conv.refusal(resp, FlashRTError(ErrorCode.INVALID_ARGUMENT,
+                                                   "request_ids and positions differ in length"))
+        self._worker.hold(zip(req.request_ids, req.positions))
+        resp.success, resp.error_code = True, int(ErrorCode.OK)
         return resp
 
     # ---- observations -------------------------------------------------------------------------
-    def _on_observation(self, msg: Observation) -> None:
+    def _on_observation(self, msg: Observation, info=None) -> None:
+        lost = self._loss.seen(info)
         worker = self._worker
-        if not self._active or worker is None:
-            self.get_logger().warning("observation dropped: node is not active", throttle_duration_sec=5.0)
+        if worker is None:  # no engine, so no session to refuse it with an event
+            self.get_logger().warning("observation dropped: node is not configured", throttle_duration_sec=5.0)
             return
+        if lost:
+            self._report_loss(worker, lost)
         obs = conv.observation_in(msg)
         future = worker.submit(lambda s: s.observe(obs), when_idle=obs.priority != PRIORITY_URGENT)
         future.add_done_callback(self._log_refusal)
+
+    def _report_loss(self, worker, lost: int) -> None:
+        """Observations that DDS dropped before this one (a gap in the publisher's sequence numbers):
+        counted for /diagnostics, logged, and recorded as an 'observation_lost' event."""
+        self._observations_lost += lost
+        self.get_logger().warning(f"{lost} observation(s) lost before reaching the node "
+                                  f"({self._observations_lost} in total): raise qos.observation.depth")
+        worker.submit(lambda s: s.observation_lost(lost))
 
     def _log_refusal(self, future) -> None:
         if not future.cancelled() and future.exception() is not None:
@@ -315,29 +290,25 @@ class FlashRTNode(Node):
     def _run_goal(self, goal_handle):
         goal = goal_handle.request
         result = Generate.Result()
-        obs = conv.observation_in(goal.observation)
-        if obs.max_new_tokens == 0:
-            return _abort(goal_handle, result, ErrorCode.INVALID_ARGUMENT, "observation.max_new_tokens must be > 0")
-        sampling = conv.goal_sampling(goal)
-        seed = goal.seed if goal.reseed else None
+        kwargs = conv.session_kwargs(OPERATIONS["generate"], goal)
         feedback: queue.SimpleQueue = queue.SimpleQueue()
 
         def start(session):
             if goal_handle.is_cancel_requested:  # canceled while it waited for the engine: never start it
                 raise FlashRTError(ErrorCode.CANCELED, "goal canceled before it started")
-            gen = session.observe(obs, sampling, seed)
+            gen = session.generate(**kwargs)
             self._goal_feedback[gen.request_id] = feedback  # before the first step, so no chunk is missed
             return gen
 
         try:
-            gen, _ = self._call(start, when_idle=obs.priority != PRIORITY_URGENT)
+            gen, _ = self._call(start, when_idle=kwargs["observation"].priority != PRIORITY_URGENT)
         except FlashRTError as e:
             if e.code == ErrorCode.CANCELED:
-                _refuse(result, e.code, e.message)
+                conv.refusal(result, e)
                 result.finish_reason = CANCELED
                 goal_handle.canceled()
                 return result
-            return _abort(goal_handle, result, e.code, e.message)
+            return _abort(goal_handle, result, e)
         try:
             outcome = self._stream_feedback(goal_handle, gen, feedback)
         finally:
@@ -377,16 +348,17 @@ class FlashRTNode(Node):
     def _publish_diagnostics(self) -> None:
         """Engine figures (:meth:`Engine.stats`: position, ttft_ms, decode_tokens_per_s, arena/capsule
         bytes, kernel, ...), the engine ``fingerprint`` (the bag tools read it here instead of building
-        a second engine), ``active`` and ``last_error``; published while configured."""
+        a second engine), ``active``, ``last_error`` and ``observations_lost``; published while configured."""
         worker = self._worker
         if worker is not None:
-            future = worker.submit(lambda s: {**s.engine.stats(), "fingerprint": s.engine.fingerprint})
+            future = worker.submit(Session.diagnostics, passive=True)
             future.add_done_callback(self._send_diagnostics)
 
     def _send_diagnostics(self, future) -> None:
         if future.cancelled() or future.exception() is not None:
             return
-        values = {**future.result(), "active": self._active, "last_error": self._last_error}
+        values = {**future.result(), "active": self._active, "last_error": self._last_error,
+                  "observations_lost": self._observations_lost}
         status = DiagnosticStatus(
             level=DiagnosticStatus.OK if self._active else DiagnosticStatus.WARN,
             name=diagnostics_name(self.get_fully_qualified_name()), hardware_id=self._settings.engine.device,
@@ -403,13 +375,8 @@ def diagnostics_name(node_fqn: str) -> str:
     return f"{node_fqn}: engine"
 
 
-def _refuse(response, code: ErrorCode, message: str):
-    response.success, response.error_code, response.message = False, int(code), message
-    return response
-
-
-def _abort(goal_handle, result, code: ErrorCode, message: str):
-    _refuse(result, code, message)
+def _abort(goal_handle, result, error: FlashRTError):
+    conv.refusal(result, error)
     result.finish_reason = "error"
     goal_handle.abort()
     return result

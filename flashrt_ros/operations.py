@@ -7,8 +7,8 @@ made, so a replay re-issues exactly that), whether a success replaces the live s
 whose fields fill the service response of the same names.
 
 The node builds its services from this table, the client its service helpers, and the bag tools read it to
-re-issue recorded events (offline: ``getattr(session, op.method)(**op.request_of(event))``; live: the
-same fields as a service request). No ROS import here: types are named, and resolved where ROS is loaded.
+re-issue recorded events (offline: ``getattr(session, op.method)(**ros_convert.session_kwargs(op, event))``;
+live: the same fields as a service request). No ROS import here: types are named, and resolved where ROS is loaded.
 
 To add an operation: add its result type (if new) and one ``Operation`` row, and a Session method whose
 keyword arguments are the request's field names. Node, client and bag tools pick it up.
@@ -59,17 +59,13 @@ class Done:
 @dataclass(frozen=True)
 class Operation:
     op: str                    # the StateEvent ``op``, and this table's key
-    kind: str                  # service | action | topic | lifecycle | consequence
+    kind: str                  # service | action | topic | lifecycle | parameter | consequence
     interface: str             # ROS name relative to the node ("" when none)
     ros_type: str              # interface type ("" when none)
     method: str                # Session method ("" for consequences, which another operation emits)
     fields: tuple = ()         # request fields the event carries (same names in request, event, method)
     replaces_state: object = False  # True, False, or the name of the request field that decides (fork)
     result: type = Done
-
-    def request_of(self, event) -> dict:
-        """The Session keyword arguments that re-issue a recorded event of this operation."""
-        return {name: getattr(event, name) for name in self.fields}
 
     def replaces(self, request) -> bool:
         """Whether a successful call with ``request`` (a request or event) replaces the live state."""
@@ -103,6 +99,7 @@ OPERATIONS: dict = {o.op: o for o in (
               result=ListResult),
     Operation("activate", "lifecycle", "", "", "activate"),
     Operation("deactivate", "lifecycle", "", "", "deactivate"),
+    Operation("set_sampling", "parameter", "sampling.*", "", "set_sampling", ("temperature", "top_p", "top_k")),
     Operation("observation_lost", "topic", "observation", "", "observation_lost", ("count",)),
     # emitted inside another operation (never re-issued): the interrupted stream's capsule, and the capsule
     # an observation's ``snapshot_label`` asks for (a 'snapshot' event right after its 'observe')

@@ -54,7 +54,8 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
     ("discretiser.horizon", 1, "action steps per ActionChunk", (1, 4096), None),
     ("qos.observation.reliability", "reliable", "~/observation subscription reliability", None,
      ("reliable", "best_effort")),
-    ("qos.observation.depth", 10, "~/observation subscription queue depth", (1, 10000), None),
+    ("qos.observation.depth", 1000, "~/observation subscription queue depth (a burst beyond it is lost, counted "
+     "and reported)", (1, 10000), None),
     ("qos.observation.durability", "volatile", "~/observation subscription durability", None,
      ("volatile", "transient_local")),
     ("request_timeout_s", 10.0, "how long a service waits for the engine thread (then TIMEOUT)", (0.01, 3600.0), None),

@@ -10,7 +10,12 @@ Contract::
     gen = session.observe(ObservationInput(text="hi", max_new_tokens=16))   # Generation | None
     while gen.step():            # one token per call; TokenOutput chunks and the final ActionOutput
         ...                      # are emitted; state operations may run here, between two steps
-    session.snapshot() / restore() / fork() / rollback() / drop() / reset() / resume() / capsules()
+    session.generate(obs, override_sampling=..., ...)   # the ~/generate action's goal
+    session.snapshot() / restore() / fork() / rollback() / drop() / reset() / resume() / cancel()
+    session.list_capsules() / activate() / deactivate() / observation_lost(count)
+
+Each method is one row of :data:`flashrt_ros.operations.OPERATIONS`: its keyword arguments are the
+request's field names, it returns the row's typed result, and its event carries those fields.
 
 Rules the node relies on (each is tested in test/test_session.py):
 
@@ -21,10 +26,15 @@ Rules the node relies on (each is tested in test/test_session.py):
   emits, right after its failed 'observe' event, one final empty :class:`TokenOutput` with finish
   reason ``error``, a new request id and the observation's stamp, so whoever waits for that
   request's tokens is answered; the event carries the error code and message.
-* **One event per operation.** ``observe``, ``snapshot``, ``restore``, ``fork``, ``rollback``,
-  ``drop``, ``reset``, ``preempt`` and ``resume`` each emit exactly one :class:`EventOutput`, on
-  success and on failure. (An observation with ``snapshot_label`` is two operations: observe, then
-  snapshot.)
+* **One event per operation.** Every operation of the table but ``list`` emits exactly one
+  :class:`EventOutput`, on success and on failure, carrying its request fields, the request it opened
+  (``request_id``) and the generation running when it ran (``running_request_id``, at
+  ``position_before``): what a replay needs to re-issue it at the same token boundary. (An observation
+  with ``snapshot_label`` is two operations: observe, then snapshot.) The first activation of a fresh
+  session leaves no event: every recording starts at a fresh, active node.
+* **Inactive refuses.** After :meth:`deactivate` (which ends a running generation as ``canceled``)
+  every operation is refused with ``NOT_ACTIVE`` (an event, and for a generating observation its
+  ``error`` chunk) until :meth:`activate`.
 * **At most one generation** (:attr:`Session.active`). Operations that only read or add capsules
   (snapshot, fork without switch, drop, list) run between two steps and leave the stream
   token-identical. Operations that replace the live state (restore, rollback, reset, fork of a
@@ -48,8 +58,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from flashrt_ros.discretiser import Discretiser
-from flashrt_ros.runtime import CapsuleInfo, ErrorCode, FlashRTError, SamplingParams
-from flashrt_ros.runtime.capsules import validate_capsule_id
+from flashrt_ros.operations import (CapsuleResult, Done, DropResult, ListResult, PositionResult,
+                                    ResumeResult)
+from flashrt_ros.runtime import ErrorCode, FlashRTError, SamplingParams
 
 PRIORITY_NORMAL = 0
 PRIORITY_URGENT = 1
@@ -95,12 +106,26 @@ class ActionOutput:
 
 @dataclass
 class EventOutput:
+    """Mirrors ``msg/StateEvent``: the request's fields as made, then what the operation did."""
     seq: int
     op: str
     capsule_id: str = ""
     source_id: str = ""
+    label: str = ""
     steps: int = 0
     switch_to: bool = False
+    verify_checksum: bool = False
+    observation: Optional[ObservationInput] = None
+    override_sampling: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    reseed: bool = False
+    seed: int = 0
+    count: int = 0
+    result_id: str = ""
+    request_id: int = 0
+    running_request_id: int = 0
     position_before: int = 0
     position_after: int = 0
     latency_ms: float = 0.0
@@ -158,6 +183,11 @@ class Generation:
     def remaining(self) -> int:
         """Tokens this request may still generate."""
         return self._remaining
+
+    @property
+    def position(self) -> int:
+        """The live stream position (a device read on CUDA: not for every step)."""
+        return self._session.engine.position
 
     @property
     def generated_ids(self) -> tuple[int, ...]:
@@ -247,7 +277,7 @@ class Session:
     """The node's behaviour on one Engine (see the module docstring for the rules)."""
 
     def __init__(self, engine, *, discretiser: Discretiser, default_sampling: Optional[SamplingParams] = None,
-                 emit: Callable[[object], None], stream_chunk_tokens: int = 8):
+                 emit: Callable[[object], None], stream_chunk_tokens: int = 8, active: bool = True):
         if stream_chunk_tokens < 1:
             raise ValueError(f"stream_chunk_tokens must be >= 1, got {stream_chunk_tokens}")
         discretiser.check_vocab(engine.vocab_size)
@@ -256,6 +286,7 @@ class Session:
         self.default_sampling = (default_sampling or SamplingParams()).validate()
         self.stream_chunk_tokens = stream_chunk_tokens
         self._emit = emit
+        self._accepting = active
         self._active: Optional[Generation] = None
         self._interrupted: "OrderedDict[str, _Interrupted]" = OrderedDict()
         self._seq = 0
@@ -267,33 +298,62 @@ class Session:
         """The running generation, if any."""
         return self._active
 
+    @property
+    def accepting(self) -> bool:
+        """Whether operations are accepted (the lifecycle node is active)."""
+        return self._accepting
+
+    @property
+    def last_request_id(self) -> int:
+        """The most recent request id handed out (0 = none yet)."""
+        return self._request_id
+
+    @property
+    def position(self) -> int:
+        return self.engine.position
+
     def interrupted(self) -> dict[str, int]:
         """Resumable capsules, oldest first, with the tokens each still owes."""
         return {cid: rec.remaining for cid, rec in self._interrupted.items()}
 
-    # ---- observations -------------------------------------------------------------------------
-    def observe(self, obs: ObservationInput, sampling: Optional[SamplingParams] = None,
-                seed: Optional[int] = None) -> Optional[Generation]:
-        """Ingest an observation; return its Generation when ``max_new_tokens > 0``.
+    def diagnostics(self) -> dict:
+        """The engine's figures (:meth:`Engine.stats`) and its fingerprint, for ``/diagnostics``."""
+        return {**self.engine.stats(), "fingerprint": self.engine.fingerprint}
 
-        A running generation is preempted (kept resumable) once the observation is known to be
-        valid. ``seed`` reseeds the sampler after ingestion (the Generate action's ``reseed``).
+    # ---- observations -------------------------------------------------------------------------
+    def observe(self, observation: ObservationInput) -> Optional[Generation]:
+        """Ingest a ``~/observation``; return its Generation when ``max_new_tokens > 0``.
+
+        A running generation is preempted (kept resumable) once the observation is known to be valid.
         """
-        def run():
-            ids = self._tokenise(obs)
+        return self._observe("observe", observation, None, None, {})
+
+    def generate(self, observation: ObservationInput, override_sampling: bool = False, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, reseed: bool = False, seed: int = 0) -> Generation:
+        """A ``~/generate`` goal: :meth:`observe` with the goal's sampling (the node's unless
+        ``override_sampling``) and, with ``reseed``, the sampler reseeded to ``seed`` after ingestion."""
+        fields = {"override_sampling": override_sampling, "temperature": temperature, "top_p": top_p,
+                  "top_k": top_k, "reseed": reseed, "seed": seed}
+        sampling = SamplingParams(float(temperature), int(top_k), float(top_p)) if override_sampling else None
+        if observation.max_new_tokens <= 0:
+            return self._operation("generate", _raise(ErrorCode.INVALID_ARGUMENT,
+                                                      "observation.max_new_tokens must be > 0"),
+                                   {**fields, "observation": observation})
+        return self._observe("generate", observation, sampling, seed if reseed else None, fields)
+
+    def _observe(self, op: str, obs: ObservationInput, sampling: Optional[SamplingParams], seed: Optional[int],
+                 fields: dict) -> Optional[Generation]:
+        def run():  # every check before the running generation is preempted
+            ids = self.engine.check_ingest(self._tokenise(obs))
             params = (sampling or self.default_sampling).validate()
             if obs.max_new_tokens < 0:
                 raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "max_new_tokens must be >= 0")
-            if seed is not None and not 0 <= seed < 2**63:
-                raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"seed must be in [0, 2**63), got {seed}")
+            if seed is not None:
+                self.engine.check_seed(seed)
             if not ids and obs.max_new_tokens == 0:
                 raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "empty observation: no tokens and nothing to generate")
-            if not ids and self.engine.position == 0:
-                raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "cannot generate from an empty context")
-            if self.engine.position + len(ids) > self.engine.max_context:
-                raise FlashRTError(ErrorCode.CONTEXT_OVERFLOW,
-                                   f"{len(ids)} tokens at position {self.engine.position} exceed "
-                                   f"max_context {self.engine.max_context}")
+            if obs.max_new_tokens:
+                self.engine.check_generate(len(ids))
             if obs.snapshot_label:  # refuse now rather than ingest and then fail to take the capsule(s)
                 # a preempted generation is kept as a capsule of the current state first: both must fit
                 interrupted = (self.engine.position,) if self._active is not None else ()
@@ -306,24 +366,29 @@ class Session:
                 self.engine.reseed(seed)
             return params
 
+        generating = obs.max_new_tokens > 0
+        fields = {**fields, "observation": obs, "request_id": self._request_id + 1 if generating else 0}
         try:
-            params = self._operation("observe", run, {})
+            params = self._operation(op, run, fields)
         except FlashRTError:
-            if obs.max_new_tokens > 0:
+            if generating:
                 self._refuse_generation(obs.stamp_ns)
             raise
         if obs.snapshot_label:
             self.snapshot(label=obs.snapshot_label)
-        if obs.max_new_tokens == 0:
+        if not generating:
             return None
         return self._start(obs.max_new_tokens, params, obs.stamp_ns)
 
+    def observation_lost(self, count: int) -> Done:
+        """Record that ``count`` observations never reached the engine (an 'observation_lost' event)."""
+        def run():
+            fields["message"] = f"{count} observation(s) lost before reaching the engine"
+            return Done()
+        fields = {"count": count}
+        return self._operation("observation_lost", run, fields, needs_active=False)
+
     def _tokenise(self, obs: ObservationInput) -> list[int]:
-        vocab = self.engine.vocab_size
-        bad = [t for t in obs.token_ids if not 0 <= t < vocab]
-        if bad:
-            raise FlashRTError(ErrorCode.TOKEN_OUT_OF_RANGE,
-                               f"token ids {bad[:8]} are outside [0, {vocab})")
         ids = list(obs.token_ids)
         if obs.text:
             ids += self.engine.tokenizer.encode(obs.text)
@@ -351,59 +416,56 @@ class Session:
                 gen.request_id, gen.remaining, gen.sampling, gen.generated_ids, gen.stamp_ns)
             fields["message"] = f"request {gen.request_id} preempted with {gen.remaining} tokens left"
 
-        fields = {"capsule_id": capsule_id}
+        fields = {"result_id": capsule_id}
         try:
             self._operation("preempt", run, fields)
         except FlashRTError:
             pass  # the event carries the reason; the stream simply is not resumable
 
     # ---- state operations ---------------------------------------------------------------------
-    def snapshot(self, capsule_id: str = "", label: str = "") -> CapsuleInfo:
-        def run():
-            if capsule_id:
-                self._check_id(capsule_id)
-            return self.engine.snapshot(capsule_id or None, label)
-        return self._operation("snapshot", run, {"capsule_id": capsule_id})
+    def snapshot(self, capsule_id: str = "", label: str = "") -> CapsuleResult:
+        return self._operation("snapshot", lambda: self._capsule(self.engine.snapshot(capsule_id or None, label)),
+                               {"capsule_id": capsule_id, "label": label})
 
-    def restore(self, capsule_id: str, verify_checksum: bool = False) -> CapsuleInfo:
-        return self._operation("restore", lambda: self._replacing(
-            lambda: self.engine.restore(self._known(capsule_id), verify_checksum=verify_checksum)),
-            {"capsule_id": capsule_id})
+    def restore(self, capsule_id: str, verify_checksum: bool = False) -> CapsuleResult:
+        return self._operation("restore", lambda: self._replacing(lambda: self._capsule(
+            self.engine.restore(self._known(capsule_id), verify_checksum=verify_checksum))),
+            {"capsule_id": capsule_id, "verify_checksum": verify_checksum})
 
-    def fork(self, source_id: str = "", capsule_id: str = "", label: str = "", switch: bool = False) -> CapsuleInfo:
+    def fork(self, source_id: str = "", capsule_id: str = "", label: str = "", switch_to: bool = False
+             ) -> CapsuleResult:
         def run():
             if source_id:
                 self._known(source_id)
-            if capsule_id:
-                self._check_id(capsule_id)
-            call = lambda: self.engine.fork(source_id or None, capsule_id or None, label, switch)  # noqa: E731
-            return self._replacing(call) if switch and source_id else call()
-        return self._operation("fork", run, {"capsule_id": capsule_id, "source_id": source_id, "switch_to": switch})
+            call = lambda: self._capsule(  # noqa: E731
+                self.engine.fork(source_id or None, capsule_id or None, label, switch_to))
+            return self._replacing(call) if switch_to and source_id else call()
+        return self._operation("fork", run, {"capsule_id": capsule_id, "source_id": source_id, "label": label,
+                                             "switch_to": switch_to})
 
-    def rollback(self, capsule_id: str = "", steps: int = 0) -> int:
-        def run():
-            if bool(capsule_id) == (steps > 0):
-                raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "give exactly one of capsule_id and steps > 0")
-            if capsule_id:
-                return self._replacing(lambda: self.engine.rollback(capsule_id=self._known(capsule_id)))
-            return self._replacing(lambda: self.engine.rollback(steps=steps))
-        return self._operation("rollback", run, {"source_id": capsule_id, "steps": steps})
+    def rollback(self, capsule_id: str = "", steps: int = 0) -> PositionResult:
+        # the engine validates everything before it changes anything (a refusal leaves the stream running)
+        return self._operation("rollback", lambda: self._replacing(lambda: PositionResult(
+            self.engine.rollback(capsule_id=capsule_id or None, steps=steps or None))),
+            {"capsule_id": capsule_id, "steps": steps})
 
-    def drop(self, capsule_id: str) -> int:
+    def drop(self, capsule_id: str) -> DropResult:
         def run():
             freed = self.engine.drop(self._known(capsule_id))
             self._interrupted.pop(capsule_id, None)
-            return freed
-        return self._operation("drop", run, {"capsule_id": capsule_id})
+            fields["result_id"] = capsule_id
+            return DropResult(freed)
+        fields = {"capsule_id": capsule_id}
+        return self._operation("drop", run, fields)
 
-    def reset(self) -> None:
-        return self._operation("reset", lambda: self._replacing(self.engine.reset), {})
+    def reset(self) -> Done:
+        return self._operation("reset", lambda: self._replacing(lambda: self.engine.reset() or Done()), {})
 
-    def resume(self, capsule_id: str = "") -> Generation:
-        """Restore an interrupted stream and continue it; returns the new Generation."""
+    def resume(self, capsule_id: str = "") -> ResumeResult:
+        """Restore an interrupted stream and continue it (the new Generation is :attr:`active`)."""
         def run():
             if capsule_id:
-                self._check_id(capsule_id)
+                self._known(capsule_id)
             if not self._interrupted:
                 raise FlashRTError(ErrorCode.NOTHING_TO_RESUME, "no interrupted generation to resume")
             cid = capsule_id or next(reversed(self._interrupted))
@@ -412,26 +474,72 @@ class Session:
             self._replacing(lambda: self.engine.restore(cid))
             rec = self._interrupted.pop(cid)
             gen = self._start(rec.remaining, rec.sampling, rec.stamp_ns, rec.generated)
-            fields["capsule_id"] = cid
-            fields["message"] = (f"request {gen.request_id} resumes request {rec.request_id} "
-                                 f"with {rec.remaining} tokens left")
-            return gen
+            fields.update(result_id=cid, request_id=gen.request_id,
+                          message=f"request {gen.request_id} resumes request {rec.request_id} "
+                                  f"with {rec.remaining} tokens left")
+            return ResumeResult(gen.request_id, self.engine.position, gen.remaining)
 
         fields = {"capsule_id": capsule_id}
         return self._operation("resume", run, fields)
 
-    def capsules(self) -> list[CapsuleInfo]:
+    def cancel(self, request_id: int) -> Done:
+        """Stop generation ``request_id`` at this boundary (finish reason ``canceled``)."""
+        def run():
+            if self._active is None or self._active.request_id != request_id:
+                raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"request {request_id} is not running")
+            self._active.stop(CANCELED)
+            return Done()
+        return self._operation("cancel", run, {"request_id": request_id})
+
+    def list_capsules(self) -> ListResult:
+        """The capsules and the budget (read-only: no event)."""
+        self._check_accepting()
+        e = self.engine
+        return ListResult(e.capsules(), e.capsule_bytes_used, e.capsule_budget_bytes, e.position, e.live_parent)
+
+    def capsules(self) -> list:
         return self.engine.capsules()
 
+    def set_sampling(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> Done:
+        """New default sampling (the node's live ``sampling.*`` parameters) for requests started after it."""
+        def run():
+            self.default_sampling = SamplingParams(float(temperature), int(top_k), float(top_p)).validate()
+            return Done()
+        return self._operation("set_sampling", run, {"temperature": temperature, "top_p": top_p, "top_k": top_k},
+                               needs_active=False)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def activate(self) -> Done:
+        """Accept operations again. The first activation of a fresh session (no event yet) leaves no
+        event: a recording starts at a fresh, active node."""
+        if self._seq == 0 and not self._accepting:
+            self._accepting = True
+            return Done()
+
+        def run():
+            self._accepting = True
+            return Done()
+        return self._operation("activate", run, {}, needs_active=False)
+
+    def deactivate(self) -> Done:
+        """Refuse operations (``NOT_ACTIVE``) until :meth:`activate`; a running generation ends ``canceled``."""
+        def run():
+            self._accepting = False
+            if self._active is not None:
+                self._active.stop(CANCELED, "node deactivated")
+            return Done()
+        return self._operation("deactivate", run, {}, needs_active=False)
+
     # ---- helpers -----------------------------------------------------------------------------
-    @staticmethod
-    def _check_id(capsule_id: str) -> str:
-        validate_capsule_id(capsule_id)
-        return capsule_id
+    def _check_accepting(self) -> None:
+        if not self._accepting:
+            raise FlashRTError(ErrorCode.NOT_ACTIVE, "node is not active")
+
+    def _capsule(self, info) -> CapsuleResult:
+        return CapsuleResult(info, self.engine.position)
 
     def _known(self, capsule_id: str) -> str:
         """Validate the id's form and that the capsule exists (UNKNOWN_CAPSULE otherwise)."""
-        self._check_id(capsule_id)
         self.engine.capsule(capsule_id)
         return capsule_id
 
@@ -442,32 +550,45 @@ class Session:
             self._active.stop(CANCELED, "the live state was replaced")
         return result
 
-    def _operation(self, op: str, run, fields: dict):
+    def _operation(self, op: str, run, fields: dict, needs_active: bool = True):
         """Run one operation, emit its single EventOutput and re-raise refusals as FlashRTError.
 
-        ``fields`` are the event's extra fields; ``run`` may complete them (e.g. the chosen id).
-        A CapsuleInfo result fills in ``capsule_id``.
+        ``fields`` are the event's request fields; ``run`` may complete them (e.g. the chosen id).
+        A CapsuleResult fills in ``result_id``. A refusal carries the live position it left
+        unchanged (``FlashRTError.position``), for responses that report one.
         """
         before = self.engine.position
+        running = self._active.request_id if self._active is not None else 0
         start = time.perf_counter()
         self.epoch += 1
         try:
+            if needs_active:
+                self._check_accepting()
             result = run()
         except FlashRTError as e:
-            self._event(op, fields, before, start, False, e.code, e.message)
+            self._event(op, fields, running, before, start, False, e.code, e.message)
+            e.position = before
             raise
         except Exception as e:  # noqa: BLE001 - report runtime bugs as INTERNAL instead of killing the thread
             err = FlashRTError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
-            self._event(op, fields, before, start, False, err.code, err.message)
+            self._event(op, fields, running, before, start, False, err.code, err.message)
+            err.position = before
             raise err from e
-        if isinstance(result, CapsuleInfo):
-            fields["capsule_id"] = result.id
-        self._event(op, fields, before, start, True, ErrorCode.OK, fields.pop("message", ""))
+        if isinstance(result, CapsuleResult):
+            fields["result_id"] = result.capsule.id
+        self._event(op, fields, running, before, start, True, ErrorCode.OK, fields.get("message", ""))
         return result
 
-    def _event(self, op, fields, before, start, success, code, message) -> None:
-        fields.pop("message", None)
+    def _event(self, op, fields, running, before, start, success, code, message) -> None:
+        fields = {k: v for k, v in fields.items() if k != "message"}
         self._seq += 1
-        self._emit(EventOutput(self._seq, op, position_before=before, position_after=self.engine.position,
+        self._emit(EventOutput(self._seq, op, running_request_id=running, position_before=before,
+                               position_after=self.engine.position,
                                latency_ms=(time.perf_counter() - start) * 1e3, success=success,
                                error_code=int(code), message=message, **fields))
+
+
+def _raise(code: ErrorCode, message: str):
+    def run():
+        raise FlashRTError(code, message)
+    return run

@@ -10,7 +10,7 @@ from flashrt_ros.bag.compare import compare, compare_topic
 from flashrt_ros.bag.replay import to_message
 from flashrt_ros.bag.script import build_script
 from flashrt_ros.bag.typestore import typestore
-from flashrt_ros.session import ActionOutput, EventOutput, TokenOutput
+from flashrt_ros.session import ActionOutput, EventOutput, ObservationInput, TokenOutput
 
 HEADER = BagHeader(node="/robot/flashrt", fingerprint="ab" * 32,
                    parameters={"model": "tiny", "max_context": 512, "sampling.top_p": 1.0},
@@ -117,7 +117,7 @@ def test_timing_fields_are_ignored_and_missing_or_extra_messages_counted():
     ([event(2, before=0)], 1, "does not start at a fresh node"),
     ([event(1, before=4)], 1, "does not start at a fresh node"),
     ([event(1), event(3, "snapshot", 3, 3)], 1, "seq jumps from 1 to 3"),
-    ([event(1), event(2, before=3, after=6)], 1, "2 observe events but 1 ~/observation"),
+    ([event(1), event(2, "teleport", 3, 3)], 1, "unknown op 'teleport'"),
 ])
 def test_bags_that_cannot_be_replayed_are_refused(events, observations, reason):
     records = [Record("events", i, e) for i, e in enumerate(events)]
@@ -126,14 +126,14 @@ def test_bags_that_cannot_be_replayed_are_refused(events, observations, reason):
         build_script(records)
 
 
-def test_an_urgent_observation_overtakes_a_normal_one_waiting_for_the_generation():
-    """Normal observations wait while a generation runs; the observe that preempted it took the urgent one,
-    although the normal one arrived first."""
-    first, normal, urgent = observation("go"), observation("then wave"), observation("STOP", priority=1)
-    records = [Record("observation", 1, first), Record("events", 2, event(1, before=0, after=2)),
-               Record("observation", 3, normal), Record("observation", 4, urgent),
-               Record("events", 5, event(2, "preempt", 3, 3)), Record("tokens", 6, tokens(1, [7], 3, True, "preempted")),
-               Record("events", 7, event(3, before=3, after=5)), Record("tokens", 8, tokens(2, [8, 9], 7, True, "length")),
-               Record("events", 9, event(4, before=7, after=9))]
-    observed = [call.observation.text for call in build_script(records) if call.op == "observe"]
-    assert observed == ["go", "STOP", "then wave"]
+def test_each_call_is_its_event_and_a_preempt_belongs_to_the_call_after_it():
+    """Events carry what they ingested, so the script needs no ~/observation messages (a lost one cannot shift
+    the others); the 'preempt' an urgent observe emits first is part of that observe (live pacing waits for the
+    events before it, not for its own preempt)."""
+    go, stop = ObservationInput(text="go", max_new_tokens=4), ObservationInput(text="STOP", priority=1)
+    records = [Record("events", 2, event(1, observation=go, request_id=1)),
+               Record("events", 5, event(2, "preempt", 3, 3, running_request_id=1, result_id="interrupted-1")),
+               Record("events", 7, event(3, before=3, after=5, observation=stop, running_request_id=1))]
+    script = build_script(records)
+    assert [(c.op, c.event.observation.text, c.running, c.first_seq) for c in script] == [
+        ("observe", "go", 0, 1), ("observe", "STOP", 1, 2)]

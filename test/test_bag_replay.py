@@ -28,7 +28,10 @@ from flashrt_ros.bag.bagfile import TOPICS, BagWriter, read_bag
 from flashrt_ros.bag.cli import main
 from flashrt_ros.bag.script import build_script
 from flashrt_ros.bag.typestore import typestore
+from flashrt_ros.action import Generate
+from flashrt_ros.bt_planner import run_planner
 from flashrt_ros.client import FlashRTClient
+from lifecycle_msgs.msg import Transition
 from flashrt_ros.msg import Observation
 from flashrt_ros.runtime import Engine
 
@@ -121,8 +124,12 @@ def test_recorded_bag_holds_the_session_and_its_header(session_bag):
     assert sum(r.topic == "observation" for r in records) == 6
     errors = [r.msg for r in records if r.topic == "tokens" and r.msg.finish_reason == "error"]
     assert len(errors) == 1 and errors[0].final and len(errors[0].token_ids) == 0
-    interrupt = [call for call in build_script(records) if call.op == "observe"][-1]
-    assert interrupt.tokens_into_request == 0  # it preempted the long request before its first token
+    script = build_script(records)
+    long, interrupt = [call for call in script if call.op == "observe"][-2:]
+    # it preempted the long request before its first token: at the position where that request started
+    assert interrupt.running == long.event.request_id > 0
+    assert interrupt.event.position_before == long.event.position_after
+    assert interrupt.event.observation.text == " Stop!"  # the event carries what it ingested
     assert any(r.topic == "action" for r in records)
     assert (session_bag / "metadata.yaml").read_text().count("storage_identifier: mcap") == 1
 
@@ -263,23 +270,83 @@ def mid_generation_bag(ros_context, tmp_path_factory):
     return bag
 
 
-def mid_generation_calls(bag) -> dict[str, int]:
+def mid_generation_depths(bag) -> dict[str, int]:
+    """How many tokens into the running request each snapshot / rollback ran."""
     script = build_script(read_bag(bag)[1])
-    return {call.op: call.tokens_into_request for call in script if call.op in ("snapshot", "rollback")}
+    starts = {c.event.request_id: c.event.position_after for c in script if c.op == "observe"}
+    return {c.op: c.event.position_before - starts[c.running] for c in script
+            if c.op in ("snapshot", "rollback") and c.running}
 
 
 def test_mid_generation_operations_replay_offline_at_the_same_token(mid_generation_bag, capsys):
-    depth = mid_generation_calls(mid_generation_bag)
+    depth = mid_generation_depths(mid_generation_bag)
     assert depth["snapshot"] >= 4 and depth["rollback"] >= 4  # both ran mid-generation
     assert replay(mid_generation_bag, "--offline") == 0
     assert "RESULT: identical" in capsys.readouterr().out
 
 
-def test_live_replay_says_when_mid_generation_timing_is_best_effort(mid_generation_bag, ros_context, capsys):
-    depth = mid_generation_calls(mid_generation_bag)
+def test_live_replay_places_mid_generation_operations_exactly(mid_generation_bag, ros_context, capsys):
+    """The node holds the running request at each recorded boundary (~/hold): --live is exact, with no note."""
     with running_node(ros_context, "/t_bag_mid_live", **TINY_PARAMS):
         code = replay(mid_generation_bag, "--live", "--node", "/t_bag_mid_live/flashrt")
     out = capsys.readouterr().out
-    assert code == (0 if "RESULT: identical" in out else 1)
-    for op in ("snapshot", "rollback"):
-        assert f"({op}) ran {depth[op]} tokens into a generation: live timing is best effort" in out
+    assert code == 0 and "RESULT: identical" in out and "note:" not in out, out
+
+
+@pytest.fixture(scope="module")
+def planner_bag(ros_context, tmp_path_factory):
+    """A behaviour-tree planning run (~/generate goals, snapshots, restores, drops), a goal canceled
+    mid-stream, and a deactivate / activate that ends a running goal."""
+    with recorded(ros_context, tmp_path_factory.mktemp("bt"), "/t_bag_bt") as (client, bag):
+        client.observe("The robot stands at the table.", 4)
+        result = run_planner(client, ["Pick up the red cup.", "Open the top drawer."], max_new_tokens=6,
+                             temperature=0.7)
+        assert result.chosen.capsule is not None
+        canceled_goal = goal_of(client, " Now describe the room.", 200)
+        handle = client.wait(client.send_goal(canceled_goal))
+        client.wait_tokens(stamp_ns=stamp_ns(canceled_goal), min_tokens=4)
+        client.wait(handle.cancel_goal_async())
+        assert client.wait(handle.get_result_async()).result.finish_reason == "canceled"
+        running_goal = goal_of(client, " And again.", 200)
+        running = client.wait(client.send_goal(running_goal))
+        client.wait_tokens(stamp_ns=stamp_ns(running_goal), min_tokens=4)
+        lifecycle(client, "/t_bag_bt/flashrt", Transition.TRANSITION_DEACTIVATE)
+        assert client.wait(running.get_result_async()).result.finish_reason == "canceled"
+        lifecycle(client, "/t_bag_bt/flashrt", Transition.TRANSITION_ACTIVATE)
+        client.observe(" Done.", 3)
+    return bag
+
+
+def goal_of(client, text, max_new_tokens):
+    return Generate.Goal(observation=client.observation(text, max_new_tokens=max_new_tokens))
+
+
+def stamp_ns(goal) -> int:
+    return goal.observation.header.stamp.sec * 1_000_000_000 + goal.observation.header.stamp.nanosec
+
+
+def lifecycle(client, node, transition_id):
+    from lifecycle_msgs.srv import ChangeState
+
+    service = client.node.create_client(ChangeState, f"{node}/change_state")
+    assert service.wait_for_service(timeout_sec=10)
+    assert client.wait(service.call_async(ChangeState.Request(transition=Transition(id=transition_id)))).success
+
+
+def test_a_behaviour_tree_session_replays_offline_and_live(planner_bag, ros_context, capsys):
+    _, records = read_bag(planner_bag)
+    ops = {r.msg.op for r in records if r.topic == "events"}
+    assert {"generate", "cancel", "deactivate", "activate", "snapshot", "restore", "drop"} <= ops
+    assert replay(planner_bag, "--offline") == 0
+    assert "RESULT: identical" in capsys.readouterr().out
+    with running_node(ros_context, "/t_bag_bt_live", **TINY_PARAMS):
+        code = replay(planner_bag, "--live", "--node", "/t_bag_bt_live/flashrt")
+    out = capsys.readouterr().out
+    assert code == 0 and "RESULT: identical" in out and "note:" not in out, out
+
+
+def test_a_bag_of_the_previous_format_is_refused_with_the_reason(capsys):
+    """test/fixtures/bag_format1 was written by flashrt_ros at 4e9f7a5 (test/fixtures/make_format1_bag.py)."""
+    assert replay(ROOT / "test" / "fixtures" / "bag_format1", "--offline") == 2
+    err = capsys.readouterr().err
+    assert "bag format 1" in err and "record the session again" in err and "Traceback" not in err

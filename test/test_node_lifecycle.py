@@ -12,7 +12,7 @@ from lifecycle_msgs.srv import ChangeState, GetState
 from std_srvs.srv import Trigger
 
 from flashrt_ros.action import Generate
-from flashrt_ros.msg import ErrorCode, Observation, TokenChunk
+from flashrt_ros.msg import ErrorCode, Observation, StateEvent, TokenChunk
 from flashrt_ros.params import PARAMETERS, read_settings
 from flashrt_ros.srv import ListCapsules, Snapshot
 
@@ -55,6 +55,7 @@ def test_deactivate_refuses_requests_and_reconfigure_starts_clean(node_and_clien
     assert lifecycle_state(client) == State.PRIMARY_STATE_ACTIVE
     action = client.action_client(Generate, "generate")
     tokens = client.subscribe(TokenChunk, "tokens")
+    events = client.subscribe(StateEvent, "events")
     long_goal = client.send_goal(action, goal("A long story:", 400), [])
     wait_for(lambda: tokens, what="the goal's first chunk")
 
@@ -73,8 +74,17 @@ def test_deactivate_refuses_requests_and_reconfigure_starts_clean(node_and_clien
     observations = client.publisher(Observation, "observation")
     wait_for(lambda: observations.get_subscription_count() > 0, what="observation subscription")
     observations.publish(Observation(text="ignored"))
-    time.sleep(0.5)  # a negative check: give the (dropped) observation time to arrive
+    asking = Observation(text="answer me", max_new_tokens=2)
+    asking.header.stamp.sec = 4242
+    observations.publish(asking)  # while inactive: answered by a final error chunk and a refused event
+    answer = wait_for(lambda: [t for t in tokens if t.observation_stamp.sec == 4242], what="the error chunk")
+    assert answer[0].final and answer[0].finish_reason == "error" and answer[0].token_ids.tolist() == []
     assert node.worker.submit(lambda s: s.engine.position).result(10) == position
+    refusals = wait_for(lambda: [e for e in events if e.op == "observe" and not e.success], what="refused events")
+    assert [e.error_code for e in refusals] == [ErrorCode.NOT_ACTIVE] * 2
+    assert refusals[1].observation.text == "answer me" and refusals[1].request_id == answer[0].request_id
+    ops = [e.op for e in events]
+    assert ops.index("deactivate") < ops.index("snapshot")  # the transition is an event, before what it refused
 
     assert transition(client, Transition.TRANSITION_CLEANUP)
     assert lifecycle_state(client) == State.PRIMARY_STATE_UNCONFIGURED and node.worker is None

@@ -222,7 +222,7 @@ def test_urgent_observation_preempts_a_goal_and_resume_is_token_identical(fresh)
     assert list(interrupted.token_ids) + resumed_ids == whole
     assert resumed.position == interrupted.position + len(resumed_ids)
 
-    ops = [(e.op, e.capsule_id) for e in streams.events if e.op in ("preempt", "resume")]
+    ops = [(e.op, e.result_id) for e in streams.events if e.op in ("preempt", "resume")]
     capsule = ops[0][1]
     assert capsule.startswith("interrupted-") and ops == [("preempt", capsule), ("resume", capsule)]
     again = client.call(Resume, "resume", capsule_id=capsule)

@@ -116,16 +116,18 @@ def test_preempted_then_resumed_stream_equals_an_uninterrupted_run(engine, sessi
     assert session.interrupted() == {capsule_id: 7}
     run(urgent)
 
-    resumed_gen = session.resume()
-    assert resumed_gen.request_id not in (first.request_id, urgent.request_id)
-    assert resumed_gen.remaining == 7
+    answer = session.resume()
+    resumed_gen = session.active
+    assert answer.request_id == resumed_gen.request_id not in (first.request_id, urgent.request_id)
+    assert answer.remaining_tokens == resumed_gen.remaining == 7
     resumed = run(resumed_gen)
     assert interrupted.token_ids + resumed.token_ids == whole
     assert session.interrupted() == {}
 
-    ops = [(e.op, e.capsule_id, e.success) for e in of(outputs, EventOutput)]
-    assert ops == [("observe", "", True), ("preempt", capsule_id, True), ("observe", "", True),
-                   ("resume", capsule_id, True)]
+    ops = [(e.op, e.result_id, e.request_id, e.running_request_id, e.success) for e in of(outputs, EventOutput)]
+    assert ops == [("observe", "", first.request_id, 0, True), ("preempt", capsule_id, 0, first.request_id, True),
+                   ("observe", "", urgent.request_id, first.request_id, True),
+                   ("resume", capsule_id, resumed_gen.request_id, 0, True)]
     with pytest.raises(FlashRTError) as err:
         session.resume()  # a resume consumes its record
     assert err.value.code == ErrorCode.NOTHING_TO_RESUME
@@ -140,7 +142,8 @@ def test_resumed_request_completes_the_action_started_before_preemption(engine, 
     assert session.observe(ObservationInput(text="!", priority=PRIORITY_URGENT)) is None  # ingest-only preempts too
     before = first.outcome.result().token_ids
     assert not of(outputs, ActionOutput)  # a preempted request owes its action
-    resumed = run(session.resume())
+    session.resume()
+    resumed = run(session.active)
     (action,) = of(outputs, ActionOutput)
     assert action.request_id == resumed.request_id
     assert action.token_ids == before + resumed.token_ids
@@ -174,7 +177,7 @@ def test_each_state_operation_emits_exactly_one_event(engine, session, outputs):
     session.observe(ObservationInput(text="abc"))
     session.snapshot("a", "first")
     session.observe(ObservationInput(text="def"))
-    session.fork("a", "b", "copy", switch=True)
+    session.fork("a", "b", "copy", switch_to=True)
     session.rollback(capsule_id="a")
     session.observe(ObservationInput(text="gh"))
     session.rollback(steps=1)
@@ -186,8 +189,8 @@ def test_each_state_operation_emits_exactly_one_event(engine, session, outputs):
     assert [e.seq for e in events] == list(range(1, 10))
     assert all(e.success and e.error_code == 0 for e in events)
     fork, rollback_to, rollback_steps = events[3], events[4], events[6]
-    assert (fork.capsule_id, fork.source_id, fork.switch_to) == ("b", "a", True)
-    assert (rollback_to.source_id, rollback_to.steps, rollback_to.position_after) == ("a", 0, 3)
+    assert (fork.capsule_id, fork.source_id, fork.label, fork.switch_to, fork.result_id) == ("b", "a", "copy", True, "b")
+    assert (rollback_to.capsule_id, rollback_to.steps, rollback_to.position_after) == ("a", 0, 3)
     assert (rollback_steps.steps, rollback_steps.position_before, rollback_steps.position_after) == (1, 5, 3)
     assert events[-1].position_after == 0
 
@@ -196,7 +199,8 @@ def test_snapshot_without_id_gets_one_and_observation_label_takes_a_capsule(engi
     session.observe(ObservationInput(text="abc", snapshot_label="after abc"))
     (info,) = engine.capsules()
     assert info.label == "after abc" and info.position == 3
-    assert [(e.op, e.capsule_id) for e in of(outputs, EventOutput)] == [("observe", ""), ("snapshot", info.id)]
+    assert [(e.op, e.capsule_id, e.result_id) for e in of(outputs, EventOutput)] == [
+        ("observe", "", ""), ("snapshot", "", info.id)]  # the request as made ("" = generated), then the id
 
 
 def test_observation_label_asks_the_engine_for_room_at_the_position_after_ingestion(engine, session, monkeypatch):
@@ -265,8 +269,14 @@ REFUSALS = [
     ("context overflow", lambda s: s.observe(ObservationInput(token_ids=[1] * MAX_CONTEXT)),
      ErrorCode.CONTEXT_OVERFLOW),
     ("empty observation", lambda s: s.observe(ObservationInput()), ErrorCode.INVALID_ARGUMENT),
-    ("bad sampling", lambda s: s.observe(ObservationInput(text="x", max_new_tokens=2),
-                                         SamplingParams(top_p=0.0)), ErrorCode.INVALID_ARGUMENT),
+    ("bad sampling", lambda s: s.generate(ObservationInput(text="x", max_new_tokens=2), True, 1.0, 0.0),
+     ErrorCode.INVALID_ARGUMENT),
+    ("temperature below the minimum", lambda s: s.generate(ObservationInput(text="x", max_new_tokens=2), True,
+                                                           1.4e-45), ErrorCode.INVALID_ARGUMENT),
+    ("goal without tokens to generate", lambda s: s.generate(ObservationInput(text="x")), ErrorCode.INVALID_ARGUMENT),
+    ("goal with a bad seed", lambda s: s.generate(ObservationInput(text="x", max_new_tokens=2), reseed=True,
+                                                  seed=2**63), ErrorCode.INVALID_ARGUMENT),
+    ("cancel of another request", lambda s: s.cancel(999), ErrorCode.INVALID_ARGUMENT),
     ("nan value", lambda s: s.observe(ObservationInput(values=[float("nan")])), ErrorCode.INVALID_ARGUMENT),
     ("capsule over budget", lambda s: s.observe(ObservationInput(token_ids=[1] * 200, snapshot_label="big")),
      ErrorCode.BUDGET_EXCEEDED),
@@ -294,3 +304,77 @@ def test_refused_request_changes_nothing_and_reports_one_event(engine, outputs, 
     assert session.active is gen and not gen.finished  # not even the running generation noticed
     (event,) = of(outputs, EventOutput)[seq:]
     assert not event.success and event.error_code == code and event.message
+
+
+def test_refused_request_reports_the_live_position_it_left(engine, session):
+    session.observe(ObservationInput(text="abc"))
+    with pytest.raises(FlashRTError) as err:
+        session.rollback(steps=99)
+    assert err.value.position == engine.position == 3
+
+
+def test_a_generate_goal_event_carries_its_observation_and_sampling(engine, session, outputs):
+    obs = ObservationInput(text="plan", max_new_tokens=3, stamp_ns=5)
+    run(session.generate(obs, override_sampling=True, temperature=0.5, top_p=0.9, top_k=7, reseed=True, seed=11))
+    (event,) = of(outputs, EventOutput)
+    assert event.op == "generate" and event.observation == obs and event.request_id == 1
+    assert (event.override_sampling, event.temperature, event.top_p, event.top_k, event.reseed, event.seed) == (
+        True, 0.5, 0.9, 7, True, 11)
+
+
+def test_cancel_is_an_event_at_its_token_boundary(engine, session, outputs):
+    gen = session.observe(ObservationInput(text="go", max_new_tokens=20))
+    for _ in range(3):
+        gen.step()
+    session.cancel(gen.request_id)
+    assert gen.outcome.result().finish_reason == "canceled" and session.active is None
+    event = of(outputs, EventOutput)[-1]
+    assert (event.op, event.request_id, event.running_request_id, event.position_before) == (
+        "cancel", gen.request_id, gen.request_id, 5)
+
+
+def test_deactivate_cancels_refuses_everything_until_activate(engine, session, outputs):
+    gen = session.observe(ObservationInput(text="go", max_new_tokens=20))
+    gen.step()
+    session.deactivate()
+    assert gen.outcome.result().finish_reason == "canceled"
+    before = state(engine)
+    outputs.clear()
+    with pytest.raises(FlashRTError) as err:
+        session.observe(ObservationInput(text="x", max_new_tokens=2, stamp_ns=9))
+    assert err.value.code == ErrorCode.NOT_ACTIVE
+    event, chunk = outputs  # a topic observation while inactive is answered: refused event, then error chunk
+    assert (event.op, event.success, event.error_code) == ("observe", False, ErrorCode.NOT_ACTIVE)
+    assert chunk.final and chunk.finish_reason == "error" and chunk.observation_stamp_ns == 9
+    for call in (lambda: session.snapshot(), session.list_capsules, lambda: session.rollback(steps=1)):
+        with pytest.raises(FlashRTError) as err:
+            call()
+        assert err.value.code == ErrorCode.NOT_ACTIVE
+    assert state(engine) == before
+    session.activate()
+    assert session.snapshot().capsule.position == engine.position
+    ops = [e.op for e in of(outputs, EventOutput)]
+    assert ops == ["observe", "snapshot", "rollback", "activate", "snapshot"]  # list leaves no event
+
+
+def test_the_first_activation_of_a_fresh_session_leaves_no_event(engine, outputs):
+    session = Session(engine, discretiser=Discretiser(bins=255, token_offset=257), emit=outputs.append,
+                      active=False)
+    session.activate()
+    session.deactivate()
+    session.activate()
+    assert [e.op for e in of(outputs, EventOutput)] == ["deactivate", "activate"]
+
+
+def test_steps_keep_their_value_end_to_end(engine, session, outputs):
+    """Rollback.steps is uint32, and so is StateEvent.steps: 2**31 is recorded as 2**31."""
+    from flashrt_ros import ros_convert as conv
+    from flashrt_ros.msg import StateEvent
+    from rclpy.serialization import deserialize_message, serialize_message
+
+    session.observe(ObservationInput(text="abc"))
+    with pytest.raises(FlashRTError):
+        session.rollback(steps=2**31)
+    event = of(outputs, EventOutput)[-1]
+    msg = deserialize_message(serialize_message(conv.state_event(event, conv.ns_to_time(0))), StateEvent)
+    assert msg.steps == 2**31 == event.steps

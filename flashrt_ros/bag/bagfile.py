@@ -24,6 +24,9 @@ TOPICS = {
 }
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 _KEY = PACKAGE + "."  # prefix of our keys in custom_data
+# 2: every operation's StateEvent carries its request (observation, sampling, ids), the running request and its
+# boundary, so goals, cancels and lifecycle transitions replay. Format-1 bags (no key) cannot be read as 2.
+BAG_FORMAT = 2
 
 
 class BagError(Exception):
@@ -41,6 +44,7 @@ class BagHeader:
 
     def to_custom_data(self) -> dict[str, str]:
         return {
+            _KEY + "format": str(BAG_FORMAT),
             _KEY + "node": self.node,
             _KEY + "fingerprint": self.fingerprint,
             _KEY + "parameters": json.dumps(self.parameters, sort_keys=True),
@@ -53,6 +57,12 @@ class BagHeader:
         if _KEY + "fingerprint" not in data:
             raise BagError("bag has no flashrt_ros header (custom_data): record with `flashrt_bag record`, "
                            "or give a `ros2 bag record` bag its header with `flashrt_bag adopt`")
+        recorded = data.get(_KEY + "format", "1")
+        if recorded != str(BAG_FORMAT):
+            raise BagError(f"bag format {recorded} (flashrt_ros before format {BAG_FORMAT}) cannot be replayed by "
+                           f"this version: its StateEvents lack the request fields (observations, sampling, running "
+                           f"request) that replay now re-issues, and its ~/generate goals, cancels and lifecycle "
+                           f"transitions were not recorded; record the session again")
         try:
             parameters = json.loads(data.get(_KEY + "parameters", "{}"))
         except json.JSONDecodeError as exc:

@@ -23,6 +23,8 @@ def comparable(msg) -> dict:
         if name in _TIMING_FIELDS:
             continue
         value = getattr(msg, name)
+        if hasattr(value, "__msgtype__"):  # a nested message (a StateEvent's observation)
+            value = comparable(value)
         out[name] = value.tolist() if isinstance(value, np.ndarray) else value
     return out
 

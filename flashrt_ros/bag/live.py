@@ -1,14 +1,10 @@
 """The ROS side of the bag tools: record a running node (or give a ``ros2 bag record`` bag the
 header it lacks), and replay a bag into a running node.
 
-A live replay publishes the recorded observations on the node's ``~/observation`` and issues the
-recorded state operations through its services, each once the node has caught up with the point
-where the recording issued it (see :func:`_LiveReplay.pace`), while a :class:`Recorder` captures
-what the node answers. Operations that ran at a quiet point (no generation running), and an
-observation that followed the call starting a generation before its first token, are reproduced
-exactly; an operation that ran after ``k > 0`` tokens of a generation depends on timing and is
-issued as soon as ``k`` tokens have been seen (best effort, reported as a note). Offline replay
-places every operation exactly.
+A live replay publishes the recorded observations on the node's ``~/observation``, sends its recorded
+``~/generate`` goals (and their cancels), drives its recorded lifecycle transitions and issues the recorded
+state operations through its services, each at its recorded token boundary (see :class:`_LiveReplay`), while
+a :class:`Recorder` captures what the node answers.
 """
 import tempfile
 import threading
@@ -17,10 +13,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import rclpy
+from lifecycle_msgs.msg import Transition
+from lifecycle_msgs.srv import ChangeState
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rclpy.serialization import deserialize_message
 from rclpy.signals import SignalHandlerOptions
 
+from flashrt_ros.action import Generate
 from flashrt_ros.bag.bagfile import TOPICS, BagError, BagHeader, adopt_bag, read_bag
 from flashrt_ros.bag.compare import OUTPUT_TOPICS
 from flashrt_ros.bag.record import Recorder, fetch_header
@@ -119,7 +119,13 @@ class _Monitor:
 
 
 class _LiveReplay:
-    """Issues the script's calls into the node, each at the recorded point."""
+    """Issues the script's calls into the node, each at its recorded token boundary.
+
+    A call that ran mid-generation (``running_request_id`` R, at ``position_before`` P) is placed exactly:
+    before anything is issued, the node is asked to hold request R at P (``~/hold``) until one operation has
+    run there, and an operation that reaches the node earlier waits for that boundary. A call that ran while
+    nothing generated is issued once the node has finished every earlier request.
+    """
 
     def __init__(self, node, client: FlashRTClient, header: BagHeader, timeout: float):
         self.client = client
@@ -127,25 +133,29 @@ class _LiveReplay:
         self.timeout = timeout
         self.notes: list[str] = []
         self.requests = 0  # request ids the script's calls have taken so far
+        self._goals = {}   # request id -> future of its goal handle
         self._observations = node.create_publisher(Observation, header.topic("observation"), _RELIABLE)
+        self._lifecycle = node.create_client(ChangeState, header.topic("change_state"))
 
     def connected(self) -> bool:
         return self.monitor.connected() and self._observations.get_subscription_count() > 0
 
+    def hold(self, script: list[Call]) -> None:
+        points = [(c.running, c.event.position_before) for c in script if c.running]
+        if points:
+            response = self.client.call("hold", request_ids=[r for r, _ in points], positions=[p for _, p in points])
+            if not response.success:
+                raise BagError(f"the node refused to hold its stream for the replay: {response.message}")
+
     def pace(self, call: Call) -> bool:
         """Wait until the node reached the point where ``call`` ran; False if it never does."""
-        k, events_before, requests = call.tokens_into_request, call.event.seq - 1, self.requests
-        if k == 0 and call.op == "observe":
-            return True  # same publisher as the call that started the generation: order is kept
-        if k is None:
+        events_before, requests = call.first_seq - 1, self.requests
+        if call.running:
+            def ready(m):
+                return m.counts["events"] >= events_before
+        else:
             def ready(m):
                 return m.counts["events"] >= events_before and m.finals >= requests
-        else:
-            self.notes.append(f"event seq {call.event.seq} ({call.op}) ran {k} tokens into a generation: "
-                              "live timing is best effort")
-
-            def ready(m):
-                return m.counts["events"] >= events_before and m.tokens.get(requests, 0) >= k
         if self.monitor.wait(ready, self.timeout):
             return True
         self.notes.append(f"the node did not reach event seq {events_before} within {self.timeout:.0f} s; "
@@ -153,27 +163,46 @@ class _LiveReplay:
         return False
 
     def issue(self, call: Call) -> None:
-        e = call.event
-        if call.op == "observe":
-            self._observations.publish(bytes(typestore().serialize_cdr(call.observation, TOPICS["observation"])))
-        else:
-            service, fields = {
-                "snapshot": ("snapshot", {"capsule_id": e.capsule_id}),
-                "restore": ("restore", {"capsule_id": e.capsule_id}),
-                "fork": ("fork", {"source_id": e.source_id, "capsule_id": e.capsule_id,
-                                  "switch_to": e.switch_to}),
-                "rollback": ("rollback", {"capsule_id": e.source_id, "steps": e.steps}),
-                "drop": ("drop_capsule", {"capsule_id": e.capsule_id}),
-                "reset": ("reset", {}),
-                "resume": ("resume", {"capsule_id": e.capsule_id}),
-            }[call.op]
-            self.client.call(service, **fields)
-        self.requests += call.opens_request
+        e, op = call.event, call.operation
+        if op.kind == "service":
+            self.client.call(op.interface, **{name: getattr(e, name) for name in op.fields})
+        elif call.op == "observe":
+            self._observations.publish(bytes(typestore().serialize_cdr(e.observation, TOPICS["observation"])))
+        elif call.op == "generate":
+            self._goals[int(e.request_id)] = self.client.send_goal(_as_message(e, op))
+        elif call.op == "cancel":
+            handle = self.client.wait(self._goals[int(e.request_id)]) if int(e.request_id) in self._goals else None
+            if handle is None or not handle.accepted:
+                self.notes.append(f"event seq {e.seq}: no goal of request {e.request_id} to cancel")
+            else:
+                handle.cancel_goal_async()
+        elif op.kind == "lifecycle":
+            self._transition(call.op)
+        else:  # observation_lost, set_sampling: what the recorded node did on its own cannot be re-issued
+            self.notes.append(f"event seq {e.seq} ({call.op}) is not re-issued in a live replay")
+        self.requests = max(self.requests, call.opens_request)
+
+    def _transition(self, name: str) -> None:
+        if not self._lifecycle.wait_for_service(timeout_sec=self.timeout):
+            raise BagError("the node offers no lifecycle change_state service")
+        transition = {"activate": Transition.TRANSITION_ACTIVATE, "deactivate": Transition.TRANSITION_DEACTIVATE}
+        self.client.wait(self._lifecycle.call_async(ChangeState.Request(transition=Transition(id=transition[name]))))
 
     def finish(self, expected: dict[str, int]) -> None:
         """Wait until every topic has as many messages as the recording (or the timeout)."""
         if not self.monitor.wait(lambda m: all(m.counts[t] >= n for t, n in expected.items()), self.timeout):
             self.notes.append(f"the node's answers were incomplete after {self.timeout:.0f} s")
+
+
+def _as_message(event, op):
+    """The Generate goal a 'generate' event records (same field names)."""
+    goal = Generate.Goal()
+    for name in op.fields:
+        value = getattr(event, name)
+        if name == "observation":
+            value = deserialize_message(bytes(typestore().serialize_cdr(value, TOPICS["observation"])), Observation)
+        setattr(goal, name, value.item() if hasattr(value, "item") else value)
+    return goal
 
 
 def replay_live(header: BagHeader, records, script: list[Call], *, node: str, allow_model_change: bool = False,
@@ -198,6 +227,7 @@ def replay_live(header: BagHeader, records, script: list[Call], *, node: str, al
             driver = _LiveReplay(ros, client, live_header, timeout)
             try:
                 _wait_connected([recorder, driver], timeout)
+                driver.hold(script)
                 for call in script:
                     if not driver.pace(call):
                         break

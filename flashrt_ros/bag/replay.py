@@ -64,29 +64,18 @@ def to_message(output, stamp_ns: int = 0) -> tuple[str, object]:
 
 
 def apply(session: Session, call: Call) -> None:
-    """Issue one recorded call; a refusal is part of the recording (its event says so)."""
-    e = call.event
-    operations = {
-        "observe": lambda: session.observe(conv.observation_in(call.observation)),
-        "snapshot": lambda: session.snapshot(e.capsule_id),
-        "restore": lambda: session.restore(e.capsule_id),
-        "fork": lambda: session.fork(e.source_id, e.capsule_id, switch=e.switch_to),
-        "rollback": lambda: session.rollback(e.source_id, e.steps),
-        "drop": lambda: session.drop(e.capsule_id),
-        "reset": session.reset,
-        "resume": lambda: session.resume(e.capsule_id),
-    }
-    if e.op not in operations:
-        raise BagError(f"event seq {e.seq} has an unknown op {e.op!r}")
+    """Issue one recorded call, with the recorded request; a refusal is part of the recording (its event says so)."""
     try:
-        operations[e.op]()
+        getattr(session, call.operation.method)(**conv.session_kwargs(call.operation, call.event))
     except FlashRTError:
         pass
 
 
-def advance(session: Session, position: int) -> None:
-    """Step the running generation (if any) until the live position reaches ``position``."""
-    while session.active is not None and session.engine.position < position:
+def advance(session: Session, call: Call) -> None:
+    """Step the running generation to where ``call`` ran: ``position_before`` of the request it names, or
+    (none named) until no generation runs."""
+    while session.active is not None and (call.running == 0 or (
+            session.active.request_id == call.running and session.position < call.event.position_before)):
         session.active.step()
 
 
@@ -106,7 +95,7 @@ def replay_offline(header: BagHeader, script: list[Call], *, allow_model_change:
     session = Session(engine, discretiser=settings.discretiser, default_sampling=settings.sampling,
                       emit=emit, stream_chunk_tokens=settings.stream_chunk_tokens)
     for call in script:
-        advance(session, call.event.position_before)
+        advance(session, call)
         apply(session, call)
     while session.active is not None:
         session.active.step()

@@ -287,6 +287,21 @@ class Engine:
                                                            f"max_context {self.max_context}")
         return ids
 
+    # ---- checks a caller runs before it changes anything (the engine's own calls run them too) ------------
+    def check_ingest(self, token_ids: Iterable[int]) -> list[int]:
+        """TOKEN_OUT_OF_RANGE / CONTEXT_OVERFLOW unless ``token_ids`` can be appended now; returns them."""
+        return self._check_tokens(token_ids, self.position)
+
+    def check_generate(self, after_tokens: int = 0) -> None:
+        """INVALID_ARGUMENT if generating would start from an empty context (after ``after_tokens`` more)."""
+        if self.position + after_tokens == 0:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "empty context: ingest at least one token first")
+
+    @staticmethod
+    def check_seed(seed: int) -> None:
+        if not 0 <= seed < 2 ** 63:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"seed must be in [0, 2**63), got {seed}")
+
     @torch.inference_mode()
     def ingest(self, token_ids: Sequence[int]) -> int:
         """Append tokens to the context (chunked prefill); returns the new position."""
@@ -306,8 +321,7 @@ class Engine:
         params = (sampling or SamplingParams()).validate()
         if max_new_tokens < 0:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if self.position == 0:
-            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "empty context: ingest at least one token first")
+        self.check_generate()
         stops = set(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
         return self._generate(max_new_tokens, params, stops)
 
@@ -355,8 +369,7 @@ class Engine:
 
     @torch.inference_mode()
     def reseed(self, seed: int) -> None:
-        if not 0 <= seed < 2 ** 63:
-            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"seed must be in [0, 2**63), got {seed}")
+        self.check_seed(seed)
         self.arena["meta"][RNG_SEED] = seed
         self.arena["meta"][RNG_COUNTER] = 0
         self._restart_history()

@@ -15,6 +15,12 @@ from .arena import RNG_COUNTER, RNG_SEED
 from .errors import ErrorCode, FlashRTError
 
 
+# The smallest temperature that sampling accepts (0 means greedy). Logits are divided by it: below this, fp32 logits
+# of ordinary size overflow to inf, and inf - inf makes the softmax NaN (a draw that is neither greedy nor a sample).
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0     # 0 = greedy
@@ -26,8 +32,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> "SamplingParams":
-        if not self.temperature >= 0.0 or self.temperature > 100.0:
-            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"temperature must be in [0, 100], got {self.temperature}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"temperature must be 0 (greedy) or in "
+                                                           f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if self.top_k < 0:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
