@@ -43,7 +43,8 @@ def test_local_node_reports_a_node_that_cannot_start(tmp_path):
 def test_bench_node_measures_every_row_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     done = run_module("flashrt_ros.bench_node", "--contexts", "16", "64", "--calls", "3", "--trials", "2",
-                      "--long-tokens", "48", "--out", str(out))
+                      "--long-tokens", "48", "--burst-observations", "20", "--burst-calls", "10", "--burst-goals", "12",
+                      "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(out.read_text())["results"]
     assert [(r["op"], r["round_trip"]["n"]) for r in results] == [
@@ -53,4 +54,6 @@ def test_bench_node_measures_every_row_and_writes_json(tmp_path):
     assert [r["position"] for r in results[:4]] == [17, 17, 65, 65]  # the context asked for + 1 generated
     assert all(0 < r["round_trip"]["p50_ms"] <= r["round_trip"]["p99_ms"] for r in results)
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
-    assert len(table) == 1 + len(results)  # the header, then one row per result
+    bursts = json.loads(out.read_text())["bursts"]
+    assert len(table) == 2 + len(results) + len(bursts)  # each table's header, then one row per result
+    assert [(b["sent"], b["answered"]) for b in bursts] == [(20, 20), (10, 10), (12, 12)]
