@@ -16,7 +16,7 @@ REQS := requirements/runtime.txt requirements/build.txt requirements/test.txt
 ROS_ENV = ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST ROS_LOCALHOST_ONLY=1 ROS_DOMAIN_ID=$$((RANDOM % 100 + 1))
 # What `pip install .` puts into the venv: reinstall when any of it changes.
 INSTALL_INPUTS := setup.py setup.cfg pyproject.toml CMakeLists.txt package.xml scripts/fix_ros_cmake_paths.py \
-	$(wildcard msg/*.msg srv/*.srv action/*.action launch/*.py config/*.yaml) \
+	$(wildcard msg/*.msg srv/*.srv action/*.action launch/*.py config/*.yaml resource/*) \
 	$(shell find flashrt_ros -name '*.py' -not -path '*/__pycache__/*')
 
 PYTEST_ARGS ?=

@@ -9,8 +9,11 @@ is the only supported generator path), run here with -DFLASHRT_INTERFACES_ONLY=O
 3. configure with CMAKE_INSTALL_PREFIX=sys.prefix (the paths baked into generated files name the real
    prefix), build, and `cmake --install --prefix <stage>`;
 4. the generated Python modules and typesupport extensions join the hand-written ones in build_lib, and
-   everything else of the stage (lib/*.so, share/, include/) goes into the wheel as data files, i.e. to
-   sys.prefix. pip records every file, so `pip uninstall flashrt_ros` removes them all.
+   everything else of the stage goes into the wheel as data files, i.e. to sys.prefix: lib/*.so,
+   include/, the `ros2 run` executables in lib/flashrt_ros/, share/flashrt_ros/ (package.xml, launch/,
+   config/, interface files) and the ament index marker, so `ros2 run` and `ros2 launch` work in the
+   venv exactly as after `colcon build`. pip records every file, so `pip uninstall flashrt_ros` removes
+   them all.
 
 The generators, ament_cmake, cmake and ninja must be installed in the target environment
 (requirements/build.txt), hence `pip install --no-build-isolation .`.
@@ -32,7 +35,7 @@ install_data = Distribution().get_command_class("install_data")
 
 ROOT = pathlib.Path(__file__).resolve().parent
 PACKAGE = "flashrt_ros"
-CMAKE_INPUTS = ("CMakeLists.txt", "package.xml", "msg", "srv", "action")
+CMAKE_INPUTS = ("CMakeLists.txt", "package.xml", "msg", "srv", "action", "launch", "config", "resource")
 
 
 def package_version() -> str:
@@ -128,9 +131,13 @@ class InstallDataWithInterfaces(install_data):
 
 
 class PlatformDistribution(Distribution):
-    """The wheel carries compiled typesupport extensions, so it must not be tagged pure Python."""
+    """The wheel carries compiled typesupport extensions, so it must not be tagged pure Python; its data
+    files all come from the interface stage, so install_data must run although setup() lists none."""
 
     def has_ext_modules(self):
+        return True
+
+    def has_data_files(self):
         return True
 
 
@@ -138,8 +145,4 @@ setup(
     version=package_version(),
     distclass=PlatformDistribution,
     cmdclass={"build_py": BuildPyWithInterfaces, "install_data": InstallDataWithInterfaces},
-    data_files=[
-        (f"share/{PACKAGE}/launch", [str(p.relative_to(ROOT)) for p in sorted(ROOT.glob("launch/*.py"))]),
-        (f"share/{PACKAGE}/config", [str(p.relative_to(ROOT)) for p in sorted(ROOT.glob("config/*.yaml"))]),
-    ],
 )

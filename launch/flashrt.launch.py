@@ -1,7 +1,7 @@
 """Start the flashrt node as a managed lifecycle node.
 
     ros2 launch flashrt_ros flashrt.launch.py [params_file:=...] [namespace:=...] [node_name:=...]
-                                              [autostart:=true|false] [model:=...]
+                                              [autostart:=true|false] [model:=...] [device:=...]
 
 Arguments:
   params_file  parameters YAML (default: share/flashrt_ros/config/default.yaml; config/thor.yaml for
@@ -11,6 +11,7 @@ Arguments:
   autostart    true: the node configures and activates itself; false: it stays unconfigured until a
                lifecycle manager (or `ros2 lifecycle set`) drives it.
   model        when non-empty, overrides the params file's `model` (tiny, a preset, or a local HF folder).
+  device       when non-empty, overrides the params file's `device` (cpu, cuda, cuda:N).
 """
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, OpaqueFunction
@@ -20,12 +21,17 @@ from launch_ros.parameter_descriptions import ParameterValue
 from launch_ros.substitutions import FindPackageShare
 
 
+# Launch arguments that override the params file's parameter of the same name only when non-empty.
+OPTIONAL_OVERRIDES = ("model", "device")
+
+
 def _flashrt_node(context):
-    """The node; an OpaqueFunction because `model` is passed only when it is non-empty."""
+    """The node; an OpaqueFunction because `model` and `device` are passed only when non-empty."""
     overrides = {"autostart": ParameterValue(LaunchConfiguration("autostart"), value_type=bool)}
-    model = LaunchConfiguration("model").perform(context)
-    if model:
-        overrides["model"] = model
+    for name in OPTIONAL_OVERRIDES:
+        value = LaunchConfiguration(name).perform(context)
+        if value:
+            overrides[name] = value
     return [LifecycleNode(
         package="flashrt_ros",
         executable="flashrt_node",
@@ -51,5 +57,7 @@ def generate_launch_description():
         DeclareLaunchArgument(
             "model", default_value="",
             description="overrides the params file's model when non-empty (tiny, a preset, or an HF folder)"),
+        DeclareLaunchArgument(
+            "device", default_value="", description="overrides the params file's device when non-empty"),
         OpaqueFunction(function=_flashrt_node),
     ])

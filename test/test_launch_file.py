@@ -8,12 +8,14 @@ import ast
 import configparser
 import importlib.util
 import pathlib
+import re
 
 import pytest
+import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAUNCH_FILE = ROOT / "launch" / "flashrt.launch.py"
-ARGUMENTS = {"params_file", "namespace", "node_name", "autostart", "model"}
+ARGUMENTS = {"params_file", "namespace", "node_name", "autostart", "model", "device"}
 
 
 def calls(tree: ast.AST, name: str) -> list[ast.Call]:
@@ -40,8 +42,8 @@ def test_declares_exactly_the_documented_arguments(tree):
 def test_argument_defaults(tree):
     defaults = {ast.literal_eval(c.args[0]): keyword(c, "default_value")
                 for c in calls(tree, "DeclareLaunchArgument")}
-    assert {n: ast.literal_eval(defaults[n]) for n in ("namespace", "node_name", "autostart", "model")} == {
-        "namespace": "", "node_name": "flashrt", "autostart": "true", "model": ""}
+    assert {n: ast.literal_eval(defaults[n]) for n in ("namespace", "node_name", "autostart", "model", "device")} == {
+        "namespace": "", "node_name": "flashrt", "autostart": "true", "model": "", "device": ""}
     assert calls(defaults["params_file"], "FindPackageShare"), "params_file defaults into the package share"
 
 
@@ -101,7 +103,30 @@ def test_loads_and_builds_the_node_description():
 
     node, context = node_for(params_file=str(ROOT / "config" / "default.yaml"))
     assert (node.node_package, node.node_executable) == ("flashrt_ros", "flashrt_node")
-    assert override_names(node, context) == {"autostart"}, "an empty model keeps the params file's"
+    assert override_names(node, context) == {"autostart"}, "an empty model/device keeps the params file's"
 
     node, context = node_for(params_file=str(ROOT / "config" / "thor.yaml"), model="tiny", autostart="false")
     assert override_names(node, context) == {"autostart", "model"}
+    node, context = node_for(params_file=str(ROOT / "config" / "thor.yaml"), device="cpu")
+    assert override_names(node, context) == {"autostart", "device"}
+
+
+def test_readme_and_thor_file_name_the_same_model_folder():
+    thor = yaml.safe_load((ROOT / "config" / "thor.yaml").read_text())["/**"]["ros__parameters"]["model"]
+    readme = re.findall(r"model:=(\S+)", (ROOT / "README.md").read_text())
+    assert readme and set(readme) == {thor}
+
+
+def test_readme_parameter_table_gives_each_range_the_node_enforces():
+    """Every bounded parameter's README range is its declared range; top_p excludes 0, as the sampler does."""
+    from flashrt_ros.params import PARAMETERS
+
+    rows = dict(re.findall(r"^\| `([\w.]+)` \| [^|]* \| ([^|]*) \|", (ROOT / "README.md").read_text(), re.M))
+    assert rows["sampling.top_p"].strip() == "(0, 1]"
+    checked = 0
+    for name, default, _, bounds, _ in PARAMETERS:
+        closed = re.fullmatch(r"\[([-\d.]+), ([-\d.]+)\]", rows.get(name, "").strip())  # not 2^63-1, "0 or [..]"
+        if bounds is not None and closed:
+            assert tuple(map(float, closed.groups())) == tuple(map(float, bounds)), name
+            checked += 1
+    assert checked >= 10

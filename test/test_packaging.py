@@ -192,3 +192,40 @@ def test_cmake_interface_list_matches_the_files():
     on_disk = sorted(str(p.relative_to(ROOT)) for kind in ("msg", "srv", "action")
                      for p in (ROOT / kind).glob(f"*.{kind}"))
     assert sorted(cmake_list("FLASHRT_INTERFACES")) == on_disk
+
+
+# ---------------------------------------------------------------- what `pip install .` puts into the prefix
+
+def installed_files() -> set[str]:
+    """Files pip recorded for the installed flashrt_ros, relative to sys.prefix."""
+    try:
+        files = importlib.metadata.files(PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("flashrt_ros is not installed (make env / pip install --no-build-isolation .)")
+    prefix = pathlib.Path(sys.prefix).resolve()
+    return {str(pathlib.Path(f.locate()).resolve().relative_to(prefix)) for f in files
+            if pathlib.Path(f.locate()).resolve().is_relative_to(prefix)}
+
+
+def test_the_ament_index_marker_is_in_the_tree_and_installed():
+    marker = ROOT / "resource" / PACKAGE
+    assert marker.is_file() and marker.read_bytes() == b"", "the ament index marker is an empty file"
+    assert f"share/ament_index/resource_index/packages/{PACKAGE}" in installed_files()
+    assert f'"resource/${{PROJECT_NAME}}"' in (ROOT / "CMakeLists.txt").read_text(), "colcon installs it too"
+
+
+def test_pip_installs_the_ros2_run_executables_and_the_share_files():
+    """`ros2 run` and `ros2 launch` find these in the venv as they do after colcon build."""
+    files = installed_files()
+    for entry in cmake_list("FLASHRT_EXECUTABLES"):
+        name, target = entry.split("=")
+        assert f"lib/{PACKAGE}/{name}" in files
+        script = pathlib.Path(sys.prefix, "lib", PACKAGE, name)
+        assert script.stat().st_mode & 0o111, f"{script} is not executable"
+        shebang, *body = script.read_text().splitlines()
+        assert pathlib.Path(shebang[2:]).resolve() == pathlib.Path(sys.executable).resolve()
+        module, function = target.split(":")
+        assert f"from {module} import {function}" in body
+    expected = {f"share/{PACKAGE}/package.xml"} | {
+        f"share/{PACKAGE}/{p.relative_to(ROOT)}" for p in [*ROOT.glob("launch/*.py"), *ROOT.glob("config/*.yaml")]}
+    assert expected <= files
