@@ -26,11 +26,11 @@ def observation_in(msg: Observation) -> ObservationInput:
 def session_kwargs(op: Operation, request) -> dict:
     """The Session method's keyword arguments for ``op`` from a request, goal or recorded StateEvent (the
     same field names in all three; the observation becomes an ObservationInput)."""
-    return {name: observation_in(getattr(request, name)) if name == "observation" else _plain(getattr(request, name))
+    return {name: observation_in(getattr(request, name)) if name == "observation" else plain(getattr(request, name))
             for name in op.fields}
 
 
-def _plain(value):
+def plain(value):
     """Python scalars from ROS or rosbags fields (numpy scalars from a bag, float32 from a message)."""
     return value.item() if hasattr(value, "item") else value
 

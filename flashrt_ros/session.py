@@ -51,6 +51,7 @@ Rules the node relies on (each is tested in test/test_session.py):
   tokens, the first ``horizon * dims`` of them are decoded into one :class:`ActionOutput`, emitted
   after the final :class:`TokenOutput`.
 """
+import struct
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -501,9 +502,14 @@ class Session:
         return self.engine.capsules()
 
     def set_sampling(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> Done:
-        """New default sampling (the node's live ``sampling.*`` parameters) for requests started after it."""
+        """New default sampling (the node's live ``sampling.*`` parameters) for requests started after it.
+
+        The values are rounded to float32, as a Generate goal's are, so that the event (float32 fields) holds
+        exactly what is used and a replay samples with the same temperature."""
+        temperature, top_p = _float32(temperature), _float32(top_p)
+
         def run():
-            self.default_sampling = SamplingParams(float(temperature), int(top_k), float(top_p)).validate()
+            self.default_sampling = SamplingParams(temperature, int(top_k), top_p).validate()
             return Done()
         return self._operation("set_sampling", run, {"temperature": temperature, "top_p": top_p, "top_k": top_k},
                                needs_active=False)
@@ -586,6 +592,10 @@ class Session:
                                position_after=self.engine.position,
                                latency_ms=(time.perf_counter() - start) * 1e3, success=success,
                                error_code=int(code), message=message, **fields))
+
+
+def _float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", float(value)))[0]
 
 
 def _raise(code: ErrorCode, message: str):

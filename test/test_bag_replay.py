@@ -313,8 +313,20 @@ def planner_bag(ros_context, tmp_path_factory):
         lifecycle(client, "/t_bag_bt/flashrt", Transition.TRANSITION_DEACTIVATE)
         assert client.wait(running.get_result_async()).result.finish_reason == "canceled"
         lifecycle(client, "/t_bag_bt/flashrt", Transition.TRANSITION_ACTIVATE)
-        client.observe(" Done.", 3)
+        set_parameters(client, "/t_bag_bt/flashrt", {"sampling.temperature": 0.9, "sampling.top_k": 40})
+        client.observe(" Done.", 6)  # sampled with the node's new defaults
     return bag
+
+
+def set_parameters(client, node, values):
+    from rclpy.parameter import Parameter
+    from rclpy.parameter_client import AsyncParameterClient
+
+    parameters = AsyncParameterClient(client.node, node)
+    assert parameters.wait_for_services(timeout_sec=10)
+    # atomically: one parameter callback, one 'set_sampling' event (a plain set applies them one by one)
+    result = client.wait(parameters.set_parameters_atomically([Parameter(k, value=v) for k, v in values.items()]))
+    assert result.result.successful, result.result.reason
 
 
 def goal_of(client, text, max_new_tokens):
@@ -336,7 +348,7 @@ def lifecycle(client, node, transition_id):
 def test_a_behaviour_tree_session_replays_offline_and_live(planner_bag, ros_context, capsys):
     _, records = read_bag(planner_bag)
     ops = {r.msg.op for r in records if r.topic == "events"}
-    assert {"generate", "cancel", "deactivate", "activate", "snapshot", "restore", "drop"} <= ops
+    assert {"generate", "cancel", "deactivate", "activate", "set_sampling", "snapshot", "restore", "drop"} <= ops
     assert replay(planner_bag, "--offline") == 0
     assert "RESULT: identical" in capsys.readouterr().out
     with running_node(ros_context, "/t_bag_bt_live", **TINY_PARAMS):

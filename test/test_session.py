@@ -378,3 +378,32 @@ def test_steps_keep_their_value_end_to_end(engine, session, outputs):
     event = of(outputs, EventOutput)[-1]
     msg = deserialize_message(serialize_message(conv.state_event(event, conv.ns_to_time(0))), StateEvent)
     assert msg.steps == 2**31 == event.steps
+
+
+def _service_calls(session):
+    """One successful call of each state-changing service operation, by op (the table's rows)."""
+    return {
+        "snapshot": lambda: session.snapshot(), "drop": lambda: session.drop("spare"),
+        "restore": lambda: session.restore("base"), "rollback": lambda: session.rollback(steps=1),
+        "reset": session.reset, "fork": lambda: session.fork("base", switch_to=True),
+        "fork_live": lambda: session.fork(switch_to=True),
+    }
+
+
+@pytest.mark.parametrize("name", ["snapshot", "drop", "restore", "rollback", "reset", "fork", "fork_live"])
+def test_a_running_generation_ends_exactly_when_the_table_says_the_operation_replaces_the_state(engine, outputs, name):
+    from types import SimpleNamespace
+
+    from flashrt_ros.operations import OPERATIONS
+
+    session = make_session(engine, outputs)
+    session.observe(ObservationInput(text="base"))
+    session.snapshot("base")
+    session.snapshot("spare")
+    gen = session.observe(ObservationInput(text="!", max_new_tokens=30))
+    gen.step()
+    _service_calls(session)[name]()
+    op = OPERATIONS["fork" if name.startswith("fork") else name]
+    request = SimpleNamespace(switch_to=True, source_id="" if name == "fork_live" else "base")
+    assert gen.finished == op.replaces(request)
+    assert (gen.outcome.result().finish_reason == "canceled") if gen.finished else (session.active is gen)

@@ -16,10 +16,13 @@ import rclpy
 from lifecycle_msgs.msg import Transition
 from lifecycle_msgs.srv import ChangeState
 from rclpy.executors import SingleThreadedExecutor
+from rclpy.parameter import Parameter
+from rclpy.parameter_client import AsyncParameterClient
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rclpy.serialization import deserialize_message
 from rclpy.signals import SignalHandlerOptions
 
+from flashrt_ros import ros_convert as conv
 from flashrt_ros.action import Generate
 from flashrt_ros.bag.bagfile import TOPICS, BagError, BagHeader, adopt_bag, read_bag
 from flashrt_ros.bag.compare import OUTPUT_TOPICS
@@ -136,6 +139,7 @@ class _LiveReplay:
         self._goals = {}   # request id -> future of its goal handle
         self._observations = node.create_publisher(Observation, header.topic("observation"), _RELIABLE)
         self._lifecycle = node.create_client(ChangeState, header.topic("change_state"))
+        self._parameters = AsyncParameterClient(node, header.node)
 
     def connected(self) -> bool:
         return self.monitor.connected() and self._observations.get_subscription_count() > 0
@@ -178,9 +182,18 @@ class _LiveReplay:
                 handle.cancel_goal_async()
         elif op.kind == "lifecycle":
             self._transition(call.op)
-        else:  # observation_lost, set_sampling: what the recorded node did on its own cannot be re-issued
+        elif op.kind == "parameter":
+            self._set_parameters({f"sampling.{name}": conv.plain(getattr(e, name)) for name in op.fields})
+        else:  # observation_lost: the recorded node lost them; the live one gets every observation
             self.notes.append(f"event seq {e.seq} ({call.op}) is not re-issued in a live replay")
         self.requests = max(self.requests, call.opens_request)
+
+    def _set_parameters(self, values: dict) -> None:
+        """Set ``values`` atomically: one callback on the node, hence one event, as recorded."""
+        future = self._parameters.set_parameters_atomically([Parameter(k, value=v) for k, v in values.items()])
+        result = self.client.wait(future).result
+        if not result.successful:
+            self.notes.append(f"the node refused the parameters {values}: {result.reason}")
 
     def _transition(self, name: str) -> None:
         if not self._lifecycle.wait_for_service(timeout_sec=self.timeout):
@@ -201,7 +214,7 @@ def _as_message(event, op):
         value = getattr(event, name)
         if name == "observation":
             value = deserialize_message(bytes(typestore().serialize_cdr(value, TOPICS["observation"])), Observation)
-        setattr(goal, name, value.item() if hasattr(value, "item") else value)
+        setattr(goal, name, conv.plain(value))
     return goal
 
 
