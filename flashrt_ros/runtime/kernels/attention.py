@@ -1,9 +1,18 @@
-"""Causal GQA attention over the position-major KV cache: reference implementations."""
+"""Causal GQA attention over the position-major KV cache: reference implementations, a flash-decoding Triton kernel
+(:func:`attention_decode_triton`, the contract of :func:`attention_masked`) and a prefill entry point that keeps K/V
+unrepeated (:func:`attention_prefill`, the contract of :func:`attention_causal`)."""
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
+
+from ._layout import require, require_launchable, require_model_dtype, require_rows
+from ._rounding import round_like
+from ._triton import jit, tl, triton
 
 
 def attention_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -38,3 +47,158 @@ def attention_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
     bias = causal_lower_right(length, keys.shape[2])
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=bias)
     return out[0].transpose(0, 1)
+
+
+def _flash_takes_gqa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether SDPA's flash kernel runs these [1, heads, length, D] tensors with fewer KV heads than query heads.
+    (Its memory-efficient kernel has no GQA: without flash, grouped SDPA would fall back to the math kernel.)"""
+    return q.is_cuda and can_use_flash_attention(SDPAParams(q, keys, values, None, 0.0, False, True))
+
+
+def attention_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """:func:`attention_causal` without repeated K/V where SDPA's flash kernel takes grouped heads (CUDA, fp16/bf16):
+    the lower-right causal bias then dispatches to the flash kernel with the KV heads as they are (strided row views
+    of the cache are fine: only the last dimension needs unit stride). Elsewhere it is :func:`attention_causal`."""
+    length, heads, _ = q.shape
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, keys, values))
+    grouped = heads != keys.shape[1]
+    if grouped and not _flash_takes_gqa(qh, kh, vh):
+        return attention_causal(q, keys, values)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(length, keys.shape[0]),
+                                         enable_gqa=grouped)
+    return out[0].transpose(0, 1)
+
+
+@jit
+def _dot(a, b, FP32: tl.constexpr):
+    """a @ b accumulated in fp32; with FP32 the operands are taken in fp32 at full precision (Triton's default for
+    fp32 is TF32). FP32 is set for fp32 inputs, and under Triton's interpreter, whose tl.dot multiplies bf16
+    operands as their raw uint16 bits (triton 3.9.0)."""
+    if FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@jit
+def _attention_split_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, pos_ptr,
+                            acc_ptr, max_ptr, sum_ptr, length, span, heads, dim, splits, scale,
+                            GROUPS: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr):
+    """One program per (block of ROWS query rows, KV head, split of SPLIT keys): the ROWS x GROUPS query heads that
+    share the KV head are the BLOCK_M rows of one tile, so each K/V block is read once for all of them. Online
+    softmax in fp32 over the split's keys up to the block's last position; stores the unnormalised partial output,
+    its running max and sum. Keys past a row's position are masked; a split past every row's position reads nothing.
+    """
+    kv_head, split = tl.program_id(1), tl.program_id(2)
+    m = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * ROWS + m // GROUPS
+    row_heads = kv_head * GROUPS + m % GROUPS
+    live = (m // GROUPS < ROWS) & (rows < length)
+    pos = tl.load(pos_ptr + rows, mask=live, other=-1).to(tl.int32)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < dim
+    q = tl.load(q_ptr + rows[:, None] * q_row + row_heads[:, None] * q_head + dims[None, :],
+                mask=live[:, None] & dim_mask[None, :], other=0.0)
+    run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    start = split * SPLIT
+    end = tl.minimum(tl.minimum(start + SPLIT, span), tl.max(pos, axis=0) + 1)
+    for block in range(start, end, BLOCK_N):
+        cols = block + tl.arange(0, BLOCK_N)
+        kv_mask = (cols < end)[:, None] & dim_mask[None, :]
+        kb = tl.load(k_ptr + cols[:, None] * k_row + kv_head * k_head + dims[None, :], mask=kv_mask, other=0.0)
+        scores = _dot(q, tl.trans(kb), FP32_DOT) * scale
+        scores = tl.where(cols[None, :] <= pos[:, None], scores, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(scores, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no visible key yet: keep zeros
+        p = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(run_max - shift)
+        run_sum = run_sum * rescale + tl.sum(p, axis=1)
+        vb = tl.load(v_ptr + cols[:, None] * v_row + kv_head * v_head + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * rescale[:, None] + _dot(p.to(vb.dtype), vb, FP32_DOT)
+        run_max = new_max
+    slot = (rows * heads + row_heads) * splits + split
+    keep = live & (start <= pos)
+    tl.store(max_ptr + slot, run_max, mask=keep)
+    tl.store(sum_ptr + slot, run_sum, mask=keep)
+    tl.store(acc_ptr + slot[:, None] * dim + dims[None, :], acc, mask=keep[:, None] & dim_mask[None, :])
+
+
+@jit
+def _attention_combine_kernel(acc_ptr, max_ptr, sum_ptr, pos_ptr, out_ptr, heads, dim, splits,
+                              SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (query row, head): merges the partials of the splits that hold keys <= the row's position."""
+    row, head = tl.program_id(0), tl.program_id(1)
+    live_splits = tl.minimum(tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1, splits)
+    base = (row * heads + head) * splits
+    s = tl.arange(0, BLOCK_S)
+    maxes = tl.load(max_ptr + base + s, mask=s < live_splits, other=float("-inf"))
+    top = tl.max(maxes, axis=0)
+    weights = tl.exp(maxes - top)
+    total = tl.sum(weights * tl.load(sum_ptr + base + s, mask=s < live_splits, other=0.0), axis=0)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < dim
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for i in range(0, live_splits):
+        weight = tl.exp(tl.load(max_ptr + base + i) - top)
+        acc += weight * tl.load(acc_ptr + (base + i) * dim + dims, mask=dim_mask, other=0.0)
+    out = round_like(acc / total, out_ptr).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + (row * heads + head) * dim + dims, out, mask=dim_mask)
+
+
+TARGET_PROGRAMS = 256  # split programs a launch aims at when the bucket is long (an H200 has 132 SMs)
+
+
+def _decode_plan(length: int, kv_heads: int, groups: int, span: int, dim: int) -> dict:
+    """Static tile sizes for a launch (they depend on shapes only, so one captured graph serves every position)."""
+    block_d = triton.next_power_of_2(dim)
+    block_m = max(16, triton.next_power_of_2(groups))             # tl.dot needs >= 16 rows
+    if length * groups > block_m:                                  # several query rows: pack more of them per tile
+        block_m = min(32 if block_d > 128 else 64, triton.next_power_of_2(length * groups))
+    rows = max(1, block_m // groups)
+    block_n = 64 if block_d <= 128 else 32
+    row_blocks = triton.cdiv(length, rows)
+    wanted = triton.cdiv(TARGET_PROGRAMS, row_blocks * kv_heads)
+    split = max(block_n, triton.next_power_of_2(triton.cdiv(span, wanted)))
+    return dict(rows=rows, row_blocks=row_blocks, block_m=block_m, block_n=block_n, block_d=block_d, split=split,
+                splits=triton.cdiv(span, split), warps=8 if block_m * block_d >= 8192 else 4)  # no spills on sm_90
+
+
+def attention_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            positions: torch.Tensor) -> torch.Tensor:
+    """:func:`attention_masked` as flash decoding: the bucket's keys are cut into splits, one program per (rows, KV
+    head, split), and a second kernel merges the splits' partial softmaxes. Splits past a row's position cost one
+    position load, so the work follows the live position, not the bucket. q: [L, H, D]; keys/values: [T, Hkv, D]
+    (row views of the cache: any row and head strides, unit last stride); positions: [L] int64 on the device,
+    each < T. Scores and softmax in fp32. Returns [L, H, D] contiguous in q's dtype."""
+    op = "attention_decode_triton"
+    require_launchable(op, q, keys, values, positions)
+    for name, t in (("q", q), ("keys", keys), ("values", values)):
+        require_rows(op, name, t, 3, q.dtype)
+    require_model_dtype(op, q)
+    require_rows(op, "positions", positions, 1, torch.int64)
+    length, heads, dim = q.shape
+    span, kv_heads = keys.shape[:2]
+    require(values.shape == keys.shape and keys.shape[2] == dim and heads % kv_heads == 0
+            and positions.shape[0] == length, op,
+            f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}, positions "
+            f"{tuple(positions.shape)}: need keys/values [T, Hkv, D] with Hkv dividing H and L positions")
+    require(dim >= 16, op, f"head dim must be >= 16 (tl.dot), got {dim}")
+    groups = heads // kv_heads
+    plan = _decode_plan(length, kv_heads, groups, span, dim)
+    splits = plan["splits"]
+    acc = torch.empty(length, heads, splits, dim, dtype=torch.float32, device=q.device)
+    maxes = torch.empty(length, heads, splits, dtype=torch.float32, device=q.device)
+    sums = torch.empty(length, heads, splits, dtype=torch.float32, device=q.device)
+    _attention_split_kernel[(plan["row_blocks"], kv_heads, splits)](
+        q, q.stride(0), q.stride(1), keys, keys.stride(0), keys.stride(1), values, values.stride(0), values.stride(1),
+        positions, acc, maxes, sums, length, span, heads, dim, splits, dim ** -0.5, GROUPS=groups, ROWS=plan["rows"],
+        SPLIT=plan["split"], BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_D=plan["block_d"],
+        FP32_DOT=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", num_warps=plan["warps"],
+        num_stages=2)
+    out = torch.empty(length, heads, dim, dtype=q.dtype, device=q.device)
+    _attention_combine_kernel[(length, heads)](acc, maxes, sums, positions, out, heads, dim, splits,
+                                               SPLIT=plan["split"], BLOCK_S=triton.next_power_of_2(splits),
+                                               BLOCK_D=plan["block_d"], num_warps=4)
+    return out

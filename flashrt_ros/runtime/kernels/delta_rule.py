@@ -1,9 +1,14 @@
-"""The gated delta rule (Gated DeltaNet's recurrence): reference kernels, recurrent and chunked, plus fla-core."""
+"""The gated delta rule (Gated DeltaNet's recurrence): reference kernels, recurrent and chunked, plus fla-core, and
+the whole Gated DeltaNet core (gates, q/k l2-norm, recurrence) as :func:`gated_delta_rule_reference` and its fused
+Triton kernel :func:`gated_delta_rule_triton` (same signature and contract)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ._layout import require, require_count, require_launchable, require_model_dtype, require_rows
+from ._rounding import round_like
+from ._triton import jit, tl, triton
 from .norms import l2norm
 
 try:  # optional production kernels (pure Python + Triton); parity-tested against the reference below
@@ -50,15 +55,19 @@ def delta_rule_recurrent(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     return torch.stack(outs).to(out_dtype)
 
 
-def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+CHUNK = 64  # the chunked kernel's fold width (fla-core's too)
+
+
+def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """Gated delta rule over chunks (the prefill kernel): same contract as :func:`delta_rule_recurrent`.
 
     Within a chunk the sequential updates are folded into one triangular solve (the WY / UT form); across chunks the
     fp32 state is carried. Zero padding of the last chunk (k = v = 0, beta = 0, g = 0) leaves the state unchanged.
+    The chunk is fixed, never shrunk to a short input, so a short piece folds as the same rows followed by zero
+    padding (see :func:`gated_delta_rule_reference` for byte identity).
     """
     out_dtype = v.dtype
     length = q.shape[0]
-    chunk = min(chunk, max(1, length))
     q, k, v, g, beta = _delta_rule_inputs(q, k, v, g, beta)
     pad = (-length) % chunk
     if pad:
@@ -91,9 +100,133 @@ def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -
 
 
 def delta_rule_fla(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
-    """fla-core's chunked kernel with the same contract (CUDA only)."""
-    q, k = _expand_heads(q, k, v.shape[1])
+    """fla-core's chunked kernel with the same contract (CUDA only). fla-core maps value head h to key head
+    h // (Hv // Hk) itself (its "grouped value attention"), so q and k go in unrepeated."""
     out, final = _fla_chunk(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
                             initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
     state.copy_(final[0])
     return out[0]
+
+
+def delta_rule_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                     dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's gates from the raw projections a, b [L, Hv]: the log decay
+    g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (taken in b's dtype), both returned in fp32."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid().float()
+
+
+def gated_delta_rule_reference(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor,
+                               count: torch.Tensor | None = None) -> torch.Tensor:
+    """The Gated DeltaNet core of a piece of L tokens: gates, q/k l2-norm and the recurrence, state updated in place.
+
+    q, k: [L, Hk, dk]; v: [L, Hv, dv] (value head h reads key head h // (Hv // Hk)); a, b: [L, Hv] raw projections;
+    A_log, dt_bias: [Hv]; state: [Hv, dk, dv] fp32. ``count`` (None, or a 0-d int64 device tensor, 1 <= count <= L)
+    marks rows >= count as the padding of a fixed-size bucket: they are zeroed (g = beta = 0, q = k = v = 0), which
+    leaves the state as if they were absent, and their output rows are zero. Returns [L, Hv, dv] in v's dtype.
+
+    One token runs the recurrent kernel. More run the chunked one on the inputs zero-padded to a multiple of
+    :data:`CHUNK` *before* any arithmetic: every elementwise op then sees the same shape for n real rows alone as
+    for n rows in a bucket (CPU kernels round differently in their vector body and scalar tail), so a padded piece
+    with count = n computes the bytes of the same n rows unpadded (n >= 2; buckets of the same padded size).
+    """
+    length = q.shape[0]
+    if length == 1:
+        return delta_rule_recurrent(q, k, v, *delta_rule_gates(a, b, A_log, dt_bias), state)
+    pad = (-length) % CHUNK
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    a, b = (F.pad(x, (0, 0, 0, pad)) for x in (a, b))
+    real = torch.arange(length + pad, device=q.device) < (length if count is None else count)
+    g, beta = (x.masked_fill(~real[:, None], 0.0) for x in delta_rule_gates(a, b, A_log, dt_bias))
+    q, k, v = (torch.where(real[:, None, None], x, 0.0) for x in (q, k, v))
+    return delta_rule_chunked(q, k, v, g, beta, state, CHUNK)[:length]
+
+
+@jit
+def _log1p(y):
+    """log(1 + y) accurate for small y (Goldberg's correction; tl has no log1p that runs in the interpreter)."""
+    u = 1.0 + y
+    exact = u == 1.0
+    return tl.where(exact, y, tl.log(u) * (y / tl.where(exact, 1.0, u - 1.0)))
+
+
+@jit
+def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head,
+                             a_ptr, a_row, a_head, b_ptr, b_row, b_head, a_log_ptr, dt_bias_ptr,
+                             s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, length, dk, dv, scale, eps,
+                             GROUPS: tl.constexpr, HAS_COUNT: tl.constexpr,
+                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One program per (value head, block of BLOCK_V value columns): the [dk, BLOCK_V] fp32 state block stays in
+    registers over all real rows (read once, written once); padding rows only get zero outputs."""
+    head = tl.program_id(0)
+    key_head = head // GROUPS
+    keys = tl.arange(0, BLOCK_K)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    key_mask, col_mask = keys < dk, cols < dv
+    s_ptrs = s_ptr + head * s_head + keys[:, None] * s_key + cols[None, :]
+    s_mask = key_mask[:, None] & col_mask[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    neg_a = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    out_ptrs = out_ptr + head * dv + cols
+    real = length
+    if HAS_COUNT:
+        real = tl.minimum(tl.load(count_ptr).to(tl.int32), length)
+    for t in range(0, real):
+        qt = tl.load(q_ptr + t * q_row + key_head * q_head + keys, mask=key_mask, other=0.0).to(tl.float32)
+        kt = tl.load(k_ptr + t * k_row + key_head * k_head + keys, mask=key_mask, other=0.0).to(tl.float32)
+        vt = tl.load(v_ptr + t * v_row + head * v_head + cols, mask=col_mask, other=0.0).to(tl.float32)
+        x = tl.load(a_ptr + t * a_row + head * a_head).to(tl.float32) + dt_bias
+        softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))  # torch's threshold
+        beta = round_like(tl.sigmoid(tl.load(b_ptr + t * b_row + head * b_head).to(tl.float32)), b_ptr)
+        qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + eps) * scale
+        kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + eps)
+        s = s * tl.exp(neg_a * softplus)
+        delta = (vt - tl.sum(kt[:, None] * s, axis=0)) * beta
+        s = s + kt[:, None] * delta[None, :]
+        out = tl.sum(qt[:, None] * s, axis=0)
+        tl.store(out_ptrs + t * out_row, round_like(out, out_ptr).to(out_ptr.dtype.element_ty), mask=col_mask)
+    for t in range(real, length):
+        tl.store(out_ptrs + t * out_row, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(s_ptrs, s, mask=s_mask)
+
+
+def _value_block(v_heads: int, dv: int) -> int:
+    """Value columns per program: the widest of 64/32/16 that still gives >= 128 programs (an H200 has 132 SMs;
+    a decode step is one token, so parallelism comes only from heads x column blocks)."""
+    for block in (64, 32):
+        if v_heads * triton.cdiv(dv, block) >= 128:
+            return min(block, triton.next_power_of_2(dv))
+    return min(16, triton.next_power_of_2(dv))
+
+
+def gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor,
+                            count: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gated_delta_rule_reference` in one launch: a recurrence over the L rows (meant for L <= 64: decode and
+    short pieces; long pieces belong to the chunked kernels). Same contract; q, k, v, a, b may be strided views
+    (unit last stride); the state [Hv, dk, dv] fp32 needs unit last stride. ``count`` is read on the device."""
+    op = "gated_delta_rule_triton"
+    require_launchable(op, q, k, v, a, b, A_log, dt_bias, state)
+    for name, t, ndim in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("a", a, 2), ("b", b, 2)):
+        require_rows(op, name, t, ndim)
+    require_rows(op, "state", state, 3, torch.float32)
+    require_model_dtype(op, v)
+    require_count(op, count, q.device)
+    length, k_heads, dk = q.shape
+    v_heads, dv = v.shape[1:]
+    require(k.shape == q.shape and v.shape[0] == length and v_heads % k_heads == 0, op,
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must match and v {tuple(v.shape)} must have a multiple of "
+            "their heads and their length")
+    require(a.shape == b.shape == (length, v_heads) and A_log.shape == dt_bias.shape == (v_heads,), op,
+            f"a, b must be [L, Hv] = {(length, v_heads)} and A_log, dt_bias [Hv]")
+    require(state.shape == (v_heads, dk, dv), op, f"state must be {(v_heads, dk, dv)}, got {tuple(state.shape)}")
+    out = torch.empty(length, v_heads, dv, dtype=v.dtype, device=v.device)
+    block_k, block_v = triton.next_power_of_2(dk), _value_block(v_heads, dv)
+    grid = (v_heads, triton.cdiv(dv, block_v))
+    _gated_delta_rule_kernel[grid](
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+        a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), A_log, dt_bias,
+        state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count, length, dk, dv,
+        dk ** -0.5, 1e-6, GROUPS=v_heads // k_heads, HAS_COUNT=count is not None,
+        BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4 if block_k * block_v <= 2048 else 8)  # no spills at dk 128
+    return out

@@ -1,0 +1,375 @@
+"""The fused Gated DeltaNet core and the attention kernels against their PyTorch references and float64 oracles.
+
+Without CUDA the Triton kernels run through Triton's interpreter (conftest sets TRITON_INTERPRET=1): lengths stay
+small there, head layouts are the presets' (tiny, Qwen3.5-0.8B, Qwen3.6-27B). Tests marked gpu run realistic sizes.
+Every input is drawn fresh per case from its own seed; ``torch.empty`` hands out NaN so an output or scratch element
+a kernel forgets to write (or reads before writing) fails the comparison. Errors are ``|out - want| / |want|``.
+"""
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashrt_ros.runtime.kernels import attention, delta_rule
+from flashrt_ros.runtime.kernels._layout import LayoutError
+from flashrt_ros.runtime.kernels._triton import triton
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+needs_triton = pytest.mark.skipif(triton is None, reason="triton is not importable")
+
+
+def on_gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")(test))
+
+
+# Relative errors against float64 (measured on the CPU interpreter at the shapes below, worst case: Triton fp32 2.4e-7,
+# bf16 3.0e-3, i.e. the output's bf16 rounding; references fp32 2.0e-6 (the chunked solve), bf16 3.9e-3 (attention
+# scores in bf16); recurrent state, fp32 in every dtype: Triton 1.1e-7, chunked reference 9.0e-7).
+TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 6e-3}
+REFERENCE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 6e-3}
+STATE_TOLERANCE, REFERENCE_STATE_TOLERANCE = 1e-6, 5e-6
+GDN_LAYOUTS = {"tiny": (2, 4, 16, 16), "0.8b": (16, 16, 128, 128), "27b": (16, 48, 128, 128)}  # Hk, Hv, dk, dv
+ATTENTION_LAYOUTS = {"tiny": (4, 2, 16), "0.8b": (8, 2, 256), "27b": (24, 4, 256)}             # H, Hkv, D
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def seed_of(*case) -> int:
+    """A seed per test case, stable across processes (unlike hash())."""
+    return zlib.crc32(repr(case).encode())
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.fixture(autouse=True)
+def poisoned_empty(monkeypatch):
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+# ---- gated delta rule -------------------------------------------------------------------------------------------
+
+class Arena:
+    """An fp32 state [Hv, dk, dv] inside a larger buffer whose other bytes must survive every call."""
+
+    def __init__(self, shape, g):
+        size = shape[0] * shape[1] * shape[2]
+        self.buffer = torch.randn(size + 96, generator=g).to(DEVICE)
+        self.state = self.buffer[40:40 + size].view(shape)
+        self.original = self.buffer.clone()
+
+    def outside_untouched(self) -> bool:
+        inside = torch.zeros_like(self.buffer, dtype=torch.bool)
+        inside[40:40 + self.state.numel()] = True
+        return torch.equal(self.buffer[~inside], self.original[~inside])
+
+
+def gdn_inputs(length, layout, dtype, seed):
+    """Model-like inputs: q, k, v are column views of one conv output, b and a columns of one fused projection (all
+    strided), A_log/dt_bias parameters in the model dtype, a nonzero state in an arena. One gate saturates
+    softplus (a + dt_bias > 20) to cover that branch."""
+    k_heads, v_heads, dk, dv = layout
+    g = gen(seed)
+    key_dim = k_heads * dk
+    mixed = torch.randn(length, 2 * key_dim + v_heads * dv + 8, generator=g).to(dtype).to(DEVICE)
+    q = mixed[:, :key_dim].unflatten(1, (k_heads, dk))
+    k = mixed[:, key_dim:2 * key_dim].unflatten(1, (k_heads, dk))
+    v = mixed[:, 2 * key_dim:2 * key_dim + v_heads * dv].unflatten(1, (v_heads, dv))
+    proj = torch.randn(length, 2 * v_heads + 5, generator=g) * 3.0
+    proj[0, v_heads] = 25.0
+    proj = proj.to(dtype).to(DEVICE)
+    b, a = proj[:, :v_heads], proj[:, v_heads:2 * v_heads]
+    A_log = (2.0 * torch.rand(v_heads, generator=g) - 1.0).to(dtype).to(DEVICE)
+    dt_bias = torch.randn(v_heads, generator=g).to(dtype).to(DEVICE)
+    arena = Arena((v_heads, dk, dv), g)
+    return (q, k, v, a, b, A_log, dt_bias), arena
+
+
+def gdn_float64(q, k, v, a, b, A_log, dt_bias, state):
+    """The gated delta rule token by token in float64 (only beta's sigmoid is taken in b's dtype, as specified)."""
+    groups = v.shape[1] // q.shape[1]
+    q, k = (x.double().repeat_interleave(groups, dim=1) for x in (q, k))
+    q = q / (q * q).sum(-1, keepdim=True).add(1e-6).sqrt() * q.shape[-1] ** -0.5
+    k = k / (k * k).sum(-1, keepdim=True).add(1e-6).sqrt()
+    beta = b.sigmoid().double()
+    decay = (-A_log.double().exp() * F.softplus(a.double() + dt_bias.double())).exp()
+    s, v, outs = state.double(), v.double(), []
+    for t in range(q.shape[0]):
+        s = s * decay[t][:, None, None]
+        delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], s)) * beta[t][:, None]
+        s = s + k[t][:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hk,hkv->hv", q[t], s))
+    return torch.stack(outs), s
+
+
+# The presets' layouts at decode length (the interpreter runs each of their 128-192 programs in Python); longer
+# pieces at the tiny layout and, in the padding tests, at the 27B head ratio.
+GDN_CASES = [(name, length) for name in GDN_LAYOUTS for length in ((1, 9, 64) if name == "tiny" else (1,))]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout,length", GDN_CASES, ids=[f"{n}-L{n_}" for n, n_ in GDN_CASES])
+def test_gated_delta_rule_triton_matches_reference_and_float64(layout, length, dtype):
+    inputs, arena = gdn_inputs(length, GDN_LAYOUTS[layout], dtype, seed=seed_of(layout, length, dtype))
+    want, want_state = gdn_float64(*inputs, arena.state)
+    ref_state = arena.state.clone()
+    ref = delta_rule.gated_delta_rule_reference(*inputs, ref_state)
+    out = delta_rule.gated_delta_rule_triton(*inputs, arena.state)
+    assert out.shape == inputs[2].shape and out.dtype == dtype and out.is_contiguous()
+    assert arena.outside_untouched()
+    errors = {"triton": rel(out, want), "reference": rel(ref, want), "state": rel(arena.state, want_state),
+              "ref_state": rel(ref_state, want_state), "vs_ref": rel(out, ref)}
+    assert errors["triton"] <= TOLERANCE[dtype] and errors["state"] <= STATE_TOLERANCE, errors
+    assert errors["reference"] <= REFERENCE_TOLERANCE[dtype], errors
+    assert errors["ref_state"] <= REFERENCE_STATE_TOLERANCE, errors
+
+
+def poison_rows(inputs, count):
+    """The same inputs with every row >= count replaced by NaN (the padding of a bucket may hold anything)."""
+    poisoned = []
+    for t in inputs:
+        if t.dim() >= 2:
+            t = t.clone()
+            t[count:] = float("nan")
+        poisoned.append(t)
+    return poisoned
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", range(4))
+def test_gated_delta_rule_padding_rows_leave_the_state_as_if_absent(seed):
+    """A piece of n real rows padded to a bucket: the Triton kernel gives the bytes of the same kernel on the n rows
+    (state and outputs), and zero output rows for the padding."""
+    g = gen(100 + seed)
+    layout = GDN_LAYOUTS["tiny"] if seed % 2 else (1, 3, 32, 32)      # the 27B preset's 3 value heads per key head
+    bucket = (8, 16, 5, 64)[seed]
+    n = int(torch.randint(1, bucket + 1, (1,), generator=g))
+    inputs, arena = gdn_inputs(bucket, layout, torch.bfloat16, seed=200 + seed)
+    padded = poison_rows(inputs, n)
+    unpadded_state = arena.state.clone()
+    unpadded = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs), unpadded_state)
+    out = delta_rule.gated_delta_rule_triton(*padded, arena.state, torch.tensor(n, device=DEVICE))
+    assert torch.equal(arena.state, unpadded_state), f"n={n} of {bucket}"
+    assert torch.equal(out[:n], unpadded)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    assert arena.outside_untouched()
+
+
+@pytest.mark.parametrize("bucket", [8, 16, 64])
+def test_reference_padded_piece_folds_byte_identically_to_the_unpadded_piece(bucket):
+    """A bucket (<= the 64-row chunk) with n >= 2 real rows computes the bytes of the n rows alone. (n = 1 alone is
+    a decode step, the recurrent kernel: equal within rounding only.)"""
+    g = gen(bucket)
+    for n in sorted({1, 2, int(torch.randint(2, bucket + 1, (1,), generator=g)), bucket}):
+        inputs, arena = gdn_inputs(bucket, GDN_LAYOUTS["tiny"], torch.bfloat16, seed=300 + bucket + n)
+        alone_state = arena.state.clone()
+        alone = delta_rule.gated_delta_rule_reference(*(t[:n] if t.dim() >= 2 else t for t in inputs), alone_state)
+        out = delta_rule.gated_delta_rule_reference(*poison_rows(inputs, n), arena.state,
+                                                    torch.tensor(n, device=DEVICE))
+        assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+        if n == 1:
+            assert rel(arena.state, alone_state) <= REFERENCE_STATE_TOLERANCE
+            assert rel(out[:1], alone) <= REFERENCE_TOLERANCE[torch.bfloat16]
+        else:
+            assert torch.equal(arena.state, alone_state), f"n={n}"
+            assert torch.equal(out[:n], alone), f"n={n}"
+
+
+@needs_triton
+def test_gated_delta_rule_triton_refuses_bad_layouts_and_leaves_the_state():
+    inputs, arena = gdn_inputs(3, GDN_LAYOUTS["tiny"], torch.float32, seed=7)
+    q, k, v, a, b, A_log, dt_bias = inputs
+    cases = {
+        "state must be torch.float32": (inputs, arena.state.to(torch.float16)),
+        "unit stride": ((q.transpose(1, 2).contiguous().transpose(1, 2), *inputs[1:]), arena.state),
+        "q .* and k": ((q, k[:, :1], *inputs[2:]), arena.state),
+        "state must be": (inputs, arena.state[:, :, :8]),
+    }
+    for message, (args, state) in cases.items():
+        with pytest.raises(LayoutError, match=message):
+            delta_rule.gated_delta_rule_triton(*args, state)
+    with pytest.raises(LayoutError, match="count"):
+        delta_rule.gated_delta_rule_triton(*inputs, arena.state, torch.tensor(2, dtype=torch.int32, device=DEVICE))
+    assert torch.equal(arena.buffer, arena.original)
+
+
+# ---- attention -------------------------------------------------------------------------------------------------
+
+def attention_inputs(length, span, layout, dtype, seed):
+    """q as the first half of a [L, H, 2D] projection (strided), keys/values as row views of a [T, 2, Hkv, D] cache."""
+    heads, kv_heads, dim = layout
+    g = gen(seed)
+    q = torch.randn(length, heads, 2 * dim, generator=g).to(dtype).to(DEVICE)[..., :dim]
+    cache = torch.randn(span, 2, kv_heads, dim, generator=g).to(dtype).to(DEVICE)
+    return q, cache
+
+
+def attention_float64(q, keys, values, positions):
+    """Per query row: softmax over keys 0..position in float64, GQA by repeating the KV heads."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = (x.double().repeat_interleave(groups, dim=1) for x in (keys, values))
+    out = []
+    for i, p in enumerate(positions.tolist()):
+        scores = torch.einsum("hd,thd->ht", q[i].double(), keys[:p + 1]) * q.shape[-1] ** -0.5
+        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), values[:p + 1]))
+    return torch.stack(out)
+
+
+def decode_positions(kind, length, span, g):
+    if kind == "consecutive":   # a piece (or one decode token) ending somewhere in the bucket
+        start = int(torch.randint(0, span - length + 1, (1,), generator=g))
+        return torch.arange(start, start + length)
+    return torch.randperm(span, generator=g)[:length]    # arbitrary positions, including very early ones
+
+
+def span_for(dim):
+    """A bucket of several splits (the split is at least one key block: 64 keys for D <= 128, else 32)."""
+    return 200 if dim <= 128 else 90
+
+
+DECODE_CASES = [(name, length, kind) for name in ATTENTION_LAYOUTS for length, kind in
+                ((1, "consecutive"), (7, "consecutive"), (5, "arbitrary"))]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout,length,kind", DECODE_CASES, ids=[f"{n}-L{l_}-{k}" for n, l_, k in DECODE_CASES])
+def test_attention_decode_triton_matches_reference_and_float64_and_never_reads_stale_keys(layout, length, kind,
+                                                                                          dtype):
+    seed = seed_of(layout, length, kind, dtype)
+    g = gen(seed)
+    span = span_for(ATTENTION_LAYOUTS[layout][2])
+    q, cache = attention_inputs(length, span, ATTENTION_LAYOUTS[layout], dtype, seed=seed + 1)
+    positions = decode_positions(kind, length, span, g).to(DEVICE)
+    last = int(positions.max())
+    clean = cache.clone()
+    clean[last + 1:] = 0.0
+    cache[last + 1:] = float("nan")          # stale bytes past every query's position: never read
+    want = attention_float64(q, clean[:, 0], clean[:, 1], positions)
+    ref = attention.attention_masked(q, clean[:, 0], clean[:, 1], positions)
+    out = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    errors = {"triton": rel(out, want), "reference": rel(ref, want), "vs_ref": rel(out, ref)}
+    assert errors["triton"] <= TOLERANCE[dtype], errors
+    assert errors["triton"] <= 1.5 * errors["reference"] + 1e-6, errors
+
+
+@needs_triton
+def test_attention_decode_triton_refuses_bad_layouts():
+    q, cache = attention_inputs(2, 64, ATTENTION_LAYOUTS["tiny"], torch.float32, seed=9)
+    positions = torch.tensor([3, 4], device=DEVICE)
+    keys, values = cache[:, 0], cache[:, 1]
+    with pytest.raises(LayoutError, match="positions must be torch.int64"):
+        attention.attention_decode_triton(q, keys, values, positions.int())
+    with pytest.raises(LayoutError, match="Hkv dividing H"):
+        attention.attention_decode_triton(q[:, :3], keys, values, positions)
+    with pytest.raises(LayoutError, match="unit stride"):
+        attention.attention_decode_triton(q, keys.transpose(1, 2).contiguous().transpose(1, 2), values, positions)
+
+
+PREFILL_CASES = [(name, length, span) for name in ATTENTION_LAYOUTS for length, span in ((9, 9), (6, 21))]
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["sdpa-gqa", "fallback"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout,length,span", PREFILL_CASES, ids=[f"{n}-L{l_}-T{t}" for n, l_, t in PREFILL_CASES])
+def test_attention_prefill_matches_float64(layout, length, span, dtype, grouped, monkeypatch):
+    """Both paths: SDPA with enable_gqa and the lower-right bias (forced here; on CUDA taken where flash runs it) and
+    the repeated-K/V fallback."""
+    monkeypatch.setattr(attention, "_flash_takes_gqa", lambda *_: grouped)
+    q, cache = attention_inputs(length, span, ATTENTION_LAYOUTS[layout], dtype, seed=length * span)
+    want = attention_float64(q, cache[:, 0], cache[:, 1], torch.arange(span - length, span))
+    out = attention.attention_prefill(q, cache[:, 0], cache[:, 1])
+    assert out.shape == q.shape and out.dtype == dtype
+    assert rel(out, want) <= REFERENCE_TOLERANCE[dtype]
+    assert torch.equal(out, attention.attention_causal(q, cache[:, 0], cache[:, 1])) or grouped
+
+
+# ---- GPU: realistic sizes (run on the device machine) -------------------------------------------------------------
+
+@on_gpu
+@pytest.mark.parametrize("layout", ["0.8b", "27b"])
+@pytest.mark.parametrize("length", [1, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
+    inputs, arena = gdn_inputs(length, GDN_LAYOUTS[layout], dtype, seed=length)
+    want, want_state = gdn_float64(*inputs, arena.state)
+    start = arena.state.clone()
+    out = delta_rule.gated_delta_rule_triton(*inputs, arena.state)
+    assert rel(out, want) <= TOLERANCE[dtype] and rel(arena.state, want_state) <= 1e-5
+    eager_state, eager = arena.state.clone(), out.clone()
+    arena.state.copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        arena.state.copy_(start)
+        delta_rule.gated_delta_rule_triton(*inputs, arena.state)          # compile outside the capture
+        arena.state.copy_(start)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = delta_rule.gated_delta_rule_triton(*inputs, arena.state)
+    arena.state.copy_(start)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager) and torch.equal(arena.state, eager_state)
+    count = torch.tensor(max(1, length - 3), device=DEVICE)
+    padded_state, alone_state = start.clone(), start.clone()
+    n = int(count)
+    padded = delta_rule.gated_delta_rule_triton(*poison_rows(inputs, n), padded_state, count)
+    alone = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs), alone_state)
+    assert torch.equal(padded_state, alone_state) and torch.equal(padded[:n], alone)
+
+
+@on_gpu
+@pytest.mark.parametrize("layout", ["0.8b", "27b"])
+@pytest.mark.parametrize("span", [2048, 16384])
+@pytest.mark.parametrize("length", [1, 16, 64])
+def test_gpu_attention_decode_long_buckets_and_one_graph_for_every_position(layout, span, length):
+    q, cache = attention_inputs(length, span, ATTENTION_LAYOUTS[layout], torch.bfloat16, seed=span + length)
+    g = gen(span)
+    positions = decode_positions("consecutive", length, span, g).to(DEVICE)
+    out = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions)
+    want = attention_float64(q, cache[:, 0], cache[:, 1], positions)
+    ref = attention.attention_masked(q, cache[:, 0], cache[:, 1], positions)
+    assert rel(out, want) <= TOLERANCE[torch.bfloat16] and rel(out, want) <= 1.5 * rel(ref, want) + 1e-6
+    live = positions.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], live)
+    for start in (0, 100, span // 2, span - length):
+        live.copy_(torch.arange(start, start + length, device=DEVICE))
+        graph.replay()
+        eager = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], live)
+        assert torch.equal(captured, eager), f"positions from {start}"
+
+
+@on_gpu
+@pytest.mark.parametrize("layout", ["0.8b", "27b"])
+@pytest.mark.parametrize("length,span", [(4096, 4096), (512, 4096), (16384, 16384)])
+def test_gpu_attention_prefill_runs_flash_without_repeated_kv(layout, length, span):
+    q, cache = attention_inputs(length, span, ATTENTION_LAYOUTS[layout], torch.bfloat16, seed=7)
+    keys, values = cache[:, 0], cache[:, 1]
+    assert attention._flash_takes_gqa(*(x.transpose(0, 1)[None] for x in (q, keys, values)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = attention.attention_prefill(q, keys, values)
+    ops = {event.name for event in prof.events()}
+    assert "aten::_scaled_dot_product_flash_attention" in ops or "aten::_flash_attention_forward" in ops, ops
+    assert "aten::repeat_interleave" not in ops, ops
+    ref = attention.attention_causal(q, keys, values)
+    assert rel(out, ref) <= 1e-2
+    if span <= 4096:
+        want = attention_float64(q[-64:], keys, values, torch.arange(span - 64, span, device=DEVICE))
+        assert rel(out[-64:], want) <= TOLERANCE[torch.bfloat16]
