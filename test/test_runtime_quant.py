@@ -146,8 +146,8 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
-GEMV_CASES = [  # rows, N, K: one row block and several, K in one slice and split over several, ragged N
-    (1, 48, 256), (1, 40, 768), (3, 72, 512), (16, 33, 256), (37, 64, 1024), (64, 8, 256)]
+GEMV_CASES = [  # rows, N, K: one row block and several, K in one slice and split over several, ragged N; several
+    (1, 48, 256), (1, 40, 768), (3, 72, 512), (16, 33, 256), (37, 64, 1024), (64, 8, 256), (150, 24, 256)]  # x blocks
 
 
 def random_weight(fmt: str, n: int, k: int, g_: torch.Generator) -> quant.QuantizedWeight:
@@ -191,17 +191,36 @@ def test_triton_gemv_is_deterministic_and_rows_do_not_interact():
 @needs_triton
 def test_the_fused_gemv_refuses_more_rows_than_it_serves():
     weight = quant.quantize_fp8(torch.randn(8, 256))
-    with pytest.raises(ValueError, match="1..64 rows"):
+    with pytest.raises(ValueError, match=f"1..{kq.GEMV_MAX_ROWS} rows"):
         kq.fp8_linear_triton(torch.randn(kq.GEMV_MAX_ROWS + 1, 256), weight.q, weight.scale)
 
 
-def test_quant_linear_uses_the_gemm_path_for_long_pieces(monkeypatch):
-    layer = quant.QuantLinear(quant.quantize_nvfp4(torch.randn(16, 64, generator=gen(9))), use_triton=True)
+@needs_triton
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_dequantise_writes_the_reference_weights(fmt, dtype, poisoned_empty):
+    weight = random_weight(fmt, 40, 384, gen(zlib.crc32(repr((fmt, dtype)).encode())))
+    got, want = kq.dequantize_triton(weight.q, weight.scale, weight.row_scale, dtype), weight.dequantize().to(dtype)
+    assert got.dtype == dtype
+    if dtype == torch.float32 or torch.cuda.is_available():
+        assert torch.equal(got, want)
+    else:   # Triton's interpreter truncates to bf16 where the GPU rounds to nearest: within one bf16 step
+        assert torch.allclose(got.float(), want.float(), rtol=2.0 ** -7, atol=0)
+
+
+@needs_triton
+def test_quant_linear_takes_the_fused_gemv_up_to_its_rows_and_a_gemm_beyond(monkeypatch):
+    weight = quant.quantize_nvfp4(torch.randn(16, 64, generator=gen(9)))
+    layer = quant.QuantLinear(weight, use_triton=True)
     calls = []
-    monkeypatch.setattr(kq, "nvfp4_linear_triton", lambda *a: calls.append("triton") or kq.nvfp4_linear_reference(*a))
-    layer(torch.randn(2, 3, 64))
-    layer(torch.randn(kq.GEMV_MAX_ROWS + 1, 64))
-    assert calls == ["triton"]
+    monkeypatch.setitem(quant._LINEAR, "nvfp4", (kq.nvfp4_linear_reference,
+                                                 lambda *a: calls.append("fused") or kq.nvfp4_linear_reference(*a)))
+    monkeypatch.setattr(kq, "dequantize_triton", lambda *a: calls.append("dequantise") or weight.dequantize())
+    x = torch.randn(kq.GEMV_MAX_ROWS + 1, 64, generator=gen(10))
+    layer(x[:6].reshape(2, 3, 64))
+    assert torch.allclose(layer(x), kq.nvfp4_linear_reference(x, *weight.tensors().values()), atol=1e-5)
+    assert calls == ["fused", "dequantise"]
+    assert quant.QuantLinear(weight, use_triton=False)(x).shape == (kq.GEMV_MAX_ROWS + 1, 16)
 
 
 # ---- quantize_model ------------------------------------------------------------------------------------------------

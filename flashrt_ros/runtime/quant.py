@@ -13,6 +13,7 @@ import dataclasses
 import fnmatch
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .errors import ErrorCode, FlashRTError
@@ -116,6 +117,8 @@ def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | None = None) ->
 
 
 QUANTIZERS = {"fp8": quantize_fp8, "nvfp4": quantize_nvfp4}
+_LINEAR = {"fp8": (kq.fp8_linear_reference, kq.fp8_linear_triton),          # (reference, fused), by format
+           "nvfp4": (kq.nvfp4_linear_reference, kq.nvfp4_linear_triton)}
 
 
 def weight_bytes(fmt: str, n: int, k: int, dense_element_size: int) -> int:
@@ -183,8 +186,9 @@ def _fp8_scale_per_row(scale: torch.Tensor, n: int, k: int, bad) -> torch.Tensor
 
 # ---- the module and the model walk ---------------------------------------------------------------------------------
 class QuantLinear(nn.Module):
-    """``y = x @ dequant(W).T`` for a bias-free projection. Up to :data:`~.kernels.quant_gemv.GEMV_MAX_ROWS` rows
-    use the fused Triton GEMV when ``use_triton``; larger pieces (prefill) and the CPU dequantise and use a GEMM."""
+    """``y = x @ dequant(W).T`` for a bias-free projection. With ``use_triton``, up to
+    :data:`~.kernels.quant_gemv.GEMV_MAX_ROWS` rows use the fused GEMV and longer pieces a one-pass Triton dequantise
+    + GEMM; without (the CPU), PyTorch dequantises and multiplies."""
 
     def __init__(self, weight: QuantizedWeight, use_triton: bool):
         super().__init__()
@@ -198,14 +202,14 @@ class QuantLinear(nn.Module):
         return QuantizedWeight(self.fmt, self.q, self.scale, getattr(self, "row_scale", None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        fast = self.use_triton and flat.shape[0] <= kq.GEMV_MAX_ROWS
-        if self.fmt == "fp8":
-            fn = kq.fp8_linear_triton if fast else kq.fp8_linear_reference
-            out = fn(flat, self.q, self.scale)
+        flat, weight = x.reshape(-1, self.in_features), self.weight()
+        reference, fused = _LINEAR[self.fmt]
+        if not self.use_triton:
+            out = reference(flat, *weight.tensors().values())
+        elif flat.shape[0] <= kq.GEMV_MAX_ROWS:
+            out = fused(flat, *weight.tensors().values())
         else:
-            fn = kq.nvfp4_linear_triton if fast else kq.nvfp4_linear_reference
-            out = fn(flat, self.q, self.scale, self.row_scale)
+            out = F.linear(flat, kq.dequantize_triton(weight.q, weight.scale, weight.row_scale, x.dtype))
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -9,10 +9,12 @@
   ``row_scale`` is 1 / the compressed-tensors global scale of the tensor each row came from, so rows of tensors
   with different global scales can be concatenated into one fused projection.
 
-``*_reference``: dequantise in PyTorch, then ``F.linear`` (the CPU path, the prefill path, the oracle).
+``*_reference``: dequantise in PyTorch, then ``F.linear`` (the CPU path and the oracle).
 ``*_triton``: one fused kernel that streams the quantized bytes, dequantises in registers and multiplies, for up to
-:data:`GEMV_MAX_ROWS` rows of ``x`` (decode and small prefill pieces): weight bytes are read once, never expanded
-in memory. Its K-reduction order is fixed by the launch shape, so results are deterministic.
+:data:`GEMV_MAX_ROWS` rows of ``x`` (decode, and prefill pieces up to 256 tokens): the weights are never expanded in
+memory, and each block of 64 rows reads them once. Its K-reduction order is fixed by the launch shape, so results
+are deterministic. Longer pieces are compute-bound: :func:`dequantize_triton` writes the weights in ``x``'s dtype in
+one pass and cuBLAS multiplies.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from ._triton import jit, tl, triton
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitudes of codes 0-7; bit 3 is the sign
 NVFP4_GROUP = 16
-GEMV_MAX_ROWS = 64
+GEMV_MAX_ROWS = 256                 # fused up to here (Thor's 256-token prefill pieces); GEMM beyond
+_MAX_BLOCK_L = 64                   # rows per program; more rows run as more programs
 _BLOCK_N = 32
 _BLOCK_K = 256
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -85,12 +88,13 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, k
                        NVFP4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, IEEE: tl.constexpr,
                        ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        TILE_K: tl.constexpr):
-    """One [BLOCK_L, BLOCK_N] output tile over one K slice (program axis 1 = split-K index): out[split, l, n].
+    """One [BLOCK_L, BLOCK_N] output tile over one K slice: out[split, l, n]. Program axes: row block of W, split-K
+    index, block of x's rows (each block re-reads its weights: fine up to GEMV_MAX_ROWS, where the GEMM path starts).
 
     ONE_ROW (BLOCK_L 1) is decode, with elementwise FMAs; otherwise rows are padded to BLOCK_L >= 16 for tl.dot.
     TILE_K: weight columns per step (BLOCK_K bytes of fp8, BLOCK_K / 2 bytes of packed nvfp4)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tokens = tl.arange(0, BLOCK_L)
+    tokens = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     row_ok = rows < N
     token_ok = tokens < L
     wide_rows = rows.to(tl.int64)
@@ -155,17 +159,17 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
     if not 0 < rows <= GEMV_MAX_ROWS:
         raise ValueError(f"the fused GEMV takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
     x = x.contiguous()
-    n_blocks, k_blocks = triton.cdiv(n, _BLOCK_N), triton.cdiv(k, _BLOCK_K)
-    splits = _splits(x.device, n_blocks, k_blocks)
+    block_l = 1 if rows == 1 else min(_MAX_BLOCK_L, max(16, triton.next_power_of_2(rows)))
+    n_blocks, k_blocks, l_blocks = triton.cdiv(n, _BLOCK_N), triton.cdiv(k, _BLOCK_K), triton.cdiv(rows, block_l)
+    splits = _splits(x.device, n_blocks * l_blocks, k_blocks)
     k_split = triton.cdiv(k_blocks, splits) * _BLOCK_K
     splits = triton.cdiv(k, k_split)
     out = torch.empty((splits, rows, n), device=x.device, dtype=x.dtype if splits == 1 else torch.float32)
     nvfp4 = row_scale is not None
-    _quant_gemv_kernel[(n_blocks, splits)](
+    _quant_gemv_kernel[(n_blocks, splits, l_blocks)](
         x, q, scale, row_scale if nvfp4 else scale, out, rows, n, k, x.stride(0), k_split,
         NVFP4=nvfp4, GROUP=group, PER_CHANNEL=not nvfp4 and group == k, IEEE=x.dtype == torch.float32 or _INTERPRETED,
-        ONE_ROW=rows == 1, BLOCK_L=1 if rows == 1 else max(16, triton.next_power_of_2(rows)), BLOCK_N=_BLOCK_N,
-        BLOCK_K=_BLOCK_K, TILE_K=_BLOCK_K // 2 if nvfp4 else _BLOCK_K, num_warps=4)
+        ONE_ROW=rows == 1, BLOCK_L=block_l, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, TILE_K=_BLOCK_K // 2 if nvfp4 else _BLOCK_K, num_warps=4)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)   # fixed-order reduction: deterministic
 
 
@@ -178,3 +182,41 @@ def nvfp4_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                         row_scale: torch.Tensor) -> torch.Tensor:
     n, k = q.shape[0], 2 * q.shape[1]
     return _launch(x, q, scale, row_scale, n, k, NVFP4_GROUP)
+
+
+@jit
+def _dequant_kernel(q_ptr, s_ptr, r_ptr, out_ptr, N, K, NVFP4: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_N: tl.constexpr, TILE_K: tl.constexpr):
+    """out [N, K] (the dtype of out) = dequant(W) for one [BLOCK_N, TILE_K] tile of stored columns."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * TILE_K + tl.arange(0, TILE_K)        # bytes of nvfp4, values of fp8
+    wide_rows = rows.to(tl.int64)
+    if NVFP4:
+        mask = (rows < N)[:, None] & (cols < K // 2)[None, :]
+        packed = tl.load(q_ptr + wide_rows[:, None] * (K // 2) + cols[None, :], mask=mask, other=0).to(tl.int32)
+        scale = tl.load(s_ptr + wide_rows[:, None] * (K // 16) + (cols // 8)[None, :], mask=mask)
+        scale = tl.where(mask, scale.to(tl.float32) * 16384.0, 0.0)
+        row_scale = tl.load(r_ptr + rows, mask=rows < N, other=0)[:, None]
+        out = out_ptr + wide_rows[:, None] * K + 2 * cols[None, :]
+        ty = out_ptr.dtype.element_ty
+        # (e2m1 * block scale) is exact; then the row scale: the reference's order, so fp32 results are bit-equal.
+        tl.store(out, (_e2m1_over_2_14(packed & 15) * scale * row_scale).to(ty), mask=mask)
+        tl.store(out + 1, (_e2m1_over_2_14(packed >> 4) * scale * row_scale).to(ty), mask=mask)
+    else:
+        mask = (rows < N)[:, None] & (cols < K)[None, :]
+        w = tl.where(mask, tl.load(q_ptr + wide_rows[:, None] * K + cols[None, :], mask=mask).to(tl.float32), 0.0)
+        w = w * tl.load(s_ptr + wide_rows[:, None] * (K // GROUP) + (cols // GROUP)[None, :], mask=mask, other=0)
+        tl.store(out_ptr + wide_rows[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_triton(q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] weights in ``dtype``, in one pass over the stored bytes (the prefill path for long pieces)."""
+    nvfp4 = row_scale is not None
+    n, k = q.shape[0], q.shape[1] * (2 if nvfp4 else 1)
+    out = torch.empty((n, k), device=q.device, dtype=dtype)
+    tile_k = _BLOCK_K // 2 if nvfp4 else _BLOCK_K
+    _dequant_kernel[(triton.cdiv(n, _BLOCK_N), triton.cdiv(q.shape[1], tile_k))](
+        q, scale, row_scale if nvfp4 else scale, out, n, k, NVFP4=nvfp4,
+        GROUP=NVFP4_GROUP if nvfp4 else k // scale.shape[1], BLOCK_N=_BLOCK_N, TILE_K=tile_k, num_warps=4)
+    return out
