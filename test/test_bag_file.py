@@ -1,14 +1,22 @@
 """Session bags without an engine or a ROS graph: storage, header, embedded definitions, comparison
 rules and the checks that refuse a bag that cannot be replayed."""
+import json
+import sqlite3
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
+import yaml
 from rosbags.highlevel import AnyReader
+from rosbags.interfaces import Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
 from rosbags.rosbag2 import Writer
 
 from flashrt_ros.bag.bagfile import TOPICS, BagError, BagHeader, BagWriter, Record, adopt_bag, read_bag
 from flashrt_ros.bag.compare import compare, compare_topic
 from flashrt_ros.bag.replay import to_message
 from flashrt_ros.bag.script import build_script
+from flashrt_ros.bag.storage import ros_distro
 from flashrt_ros.bag.typestore import typestore
 from flashrt_ros.session import ActionOutput, EventOutput, ObservationInput, TokenOutput
 
@@ -137,3 +145,66 @@ def test_each_call_is_its_event_and_a_preempt_belongs_to_the_call_after_it():
     script = build_script(records)
     assert [(c.op, c.event.observation.text, c.running, c.first_seq) for c in script] == [
         ("observe", "go", 0, 1), ("observe", "STOP", 1, 2)]
+
+
+EVENTS_QOS = Qos(QosHistory.KEEP_LAST, 100, QosReliability.RELIABLE, QosDurability.TRANSIENT_LOCAL,
+                 QosTime(0, 0), QosTime(0, 0), QosLiveliness.AUTOMATIC, QosTime(0, 0), False)
+
+
+def ros_type_hash(msgtype: str) -> str:
+    """The RIHS01 hash that rosidl generated for ``msgtype`` (share/<pkg>/msg/<Name>.json), computed by ROS
+    itself and not by rosbags."""
+    package, _, name = msgtype.split("/")
+    found = sorted(Path(sys.prefix, "share", package, "msg").glob(f"{name}.json"))
+    if not found:
+        pytest.skip(f"no rosidl type description for {msgtype} installed")
+    description = json.loads(found[0].read_text())
+    return next(h["hash_string"] for h in description["type_hashes"] if h["type_name"] == msgtype)
+
+
+@pytest.mark.parametrize("storage", ["mcap", "sqlite3"])
+def test_bags_carry_qos_type_hash_and_distro_as_rosbag2_writes_them(tmp_path, storage):
+    qos = {"events": [EVENTS_QOS]}
+    with BagWriter(tmp_path / "bag", HEADER, storage, lambda topic: qos.get(topic, [])) as bag:
+        for topic, stamp, msg in session_messages():
+            bag.write(topic, stamp, msg)
+    metadata = yaml.safe_load((tmp_path / "bag" / "metadata.yaml").read_text())["rosbag2_bagfile_information"]
+    assert metadata["ros_distro"] == ros_distro() != "rosbags"
+    topics = {t["topic_metadata"]["name"]: t["topic_metadata"] for t in metadata["topics_with_message_count"]}
+    assert topics["/robot/flashrt/events"]["offered_qos_profiles"][0]["durability"] == "transient_local"
+    for name, meta in topics.items():
+        assert meta["type_description_hash"] == ros_type_hash(meta["type"]), name
+    with AnyReader([tmp_path / "bag"], default_typestore=None) as reader:  # types only from the bag itself
+        events_conn = next(c for c in reader.connections if c.topic == "/robot/flashrt/events")
+        assert events_conn.ext.offered_qos_profiles == [EVENTS_QOS]
+        decoded = [reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages()]
+    assert sorted(type(m).__name__ for m in decoded) == sorted(
+        ["flashrt_ros__msg__Observation", "flashrt_ros__msg__StateEvent", "flashrt_ros__msg__TokenChunk",
+         "flashrt_ros__msg__ActionChunk"])
+    if storage == "sqlite3":
+        with sqlite3.connect(tmp_path / "bag" / "bag.db3") as db:
+            assert db.execute("SELECT ros_distro FROM schema").fetchone()[0] == ros_distro()
+
+
+def test_mcap_channels_decode_with_foxglove_readers_and_carry_the_type_hash(tmp_path):
+    """mcap + mcap-ros2-support (independent of rosbags): the channel metadata rosbag2 writes, and the
+    messages decoded from the embedded schemas."""
+    from mcap.reader import make_reader
+    from mcap_ros2.decoder import DecoderFactory
+
+    with BagWriter(tmp_path / "bag", HEADER, "mcap", lambda topic: [EVENTS_QOS] if topic == "events" else []) as bag:
+        for topic, stamp, msg in session_messages():
+            bag.write(topic, stamp, msg)
+    (path,) = (tmp_path / "bag").glob("*.mcap")
+    with path.open("rb") as f:
+        reader = make_reader(f, decoder_factories=[DecoderFactory()])
+        channels = {c.topic: c for c in reader.get_summary().channels.values()}
+        decoded = {channel.topic: message for _, channel, _, message in reader.iter_decoded_messages()}
+        records = {m.name: m.metadata for m in reader.iter_metadata()}
+    for topic, channel in channels.items():
+        schema = reader.get_summary().schemas[channel.schema_id]
+        assert channel.metadata["topic_type_hash"] == ros_type_hash(schema.name), topic
+    assert "transient_local" in channels["/robot/flashrt/events"].metadata["offered_qos_profiles"]
+    assert list(decoded["/robot/flashrt/tokens"].token_ids) == [7, 8]
+    assert decoded["/robot/flashrt/observation"].text == "hi"
+    assert f"ros_distro: {ros_distro()}" in records["rosbag2"]["serialized_metadata"]

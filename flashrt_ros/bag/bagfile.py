@@ -3,7 +3,9 @@
 A session bag holds the node's four topics (``~/observation`` in; ``~/tokens``, ``~/action`` and
 ``~/events`` out) with their message definitions embedded, plus a :class:`BagHeader` in the rosbag2
 metadata's ``custom_data``: what the replay needs to rebuild the engine and to refuse a different model.
-MCAP is the default storage; sqlite3 bags are read and written the same way.
+MCAP is the default storage; sqlite3 bags are read and written the same way. Bags are written as rosbag2
+writes them (:mod:`flashrt_ros.bag.storage`): each topic with the QoS profiles its publishers offered, the
+type hash, and the ROS distribution of the recording machine.
 """
 import json
 import struct
@@ -11,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import apsw  # rosbags' sqlite3 driver; its errors mean a corrupt .db3
-from rosbags.rosbag2 import Reader, ReaderError, StoragePlugin, Writer, WriterError
+from rosbags.rosbag2 import Reader, ReaderError, StoragePlugin, WriterError
 
+from flashrt_ros.bag.storage import Rosbag2Writer
 from flashrt_ros.bag.typestore import PACKAGE, typestore
 
 #: short topic name (relative to the node) -> message type
@@ -85,35 +88,48 @@ class Record:
 
 
 class BagWriter:
-    """Context manager writing one session bag; the header goes into the metadata on close."""
+    """Context manager writing one session bag; the header goes into the metadata on close.
 
-    def __init__(self, path: str | Path, header: BagHeader, storage: str = "mcap"):
+    ``offered_qos(topic)`` (a key of :data:`TOPICS`) gives the rosbags ``Qos`` profiles that the topic's
+    publishers offer. It is asked when the topic's connection is made, which is at the topic's first
+    message (so the publishers are known, as when rosbag2 records) or at close for a topic that had none.
+    """
+
+    def __init__(self, path: str | Path, header: BagHeader, storage: str = "mcap", offered_qos=None):
         if storage not in STORAGES:
             raise BagError(f"unknown storage {storage!r}; use one of {sorted(STORAGES)}")
         self.header = header
         self._path = Path(path)
         self._storage = STORAGES[storage]
+        self._offered_qos = offered_qos or (lambda topic: [])
         self._connections = {}
 
     def __enter__(self) -> "BagWriter":
         try:
-            self._writer = Writer(self._path, version=9, storage_plugin=self._storage)
+            self._writer = Rosbag2Writer(self._path, version=9, storage_plugin=self._storage)
             self._writer.open()
         except WriterError as exc:
             raise BagError(str(exc)) from None
         for key, value in self.header.to_custom_data().items():
             self._writer.set_custom_data(key, value)
-        for short, msgtype in TOPICS.items():
-            self._connections[short] = self._writer.add_connection(
-                self.header.topic(short), msgtype, typestore=typestore())
         return self
 
     def __exit__(self, *exc_info) -> None:
+        if exc_info[0] is None:
+            for topic in TOPICS:  # every session bag lists the four topics
+                self._connection(topic)
         self._writer.__exit__(*exc_info)
+
+    def _connection(self, topic: str):
+        if topic not in self._connections:
+            self._connections[topic] = self._writer.add_connection(
+                self.header.topic(topic), TOPICS[topic], typestore=typestore(),
+                offered_qos_profiles=self._offered_qos(topic))
+        return self._connections[topic]
 
     def write_cdr(self, topic: str, stamp: int, data: bytes) -> None:
         """Write an already serialised (CDR) message, as received from the ROS graph."""
-        self._writer.write(self._connections[topic], stamp, data)
+        self._writer.write(self._connection(topic), stamp, data)
 
     def write(self, topic: str, stamp: int, msg: object) -> None:
         self.write_cdr(topic, stamp, typestore().serialize_cdr(msg, TOPICS[topic]))
@@ -161,7 +177,8 @@ def adopt_bag(source: str | Path, target: str | Path, header: BagHeader, storage
             if wrong or not connections:
                 raise BagError(f"{source} has no flashrt_ros topics of {header.node} "
                                f"(or they carry other types: {wrong})")
-            with BagWriter(target, header, storage) as bag:
+            qos = {wanted[c.topic]: c.ext.offered_qos_profiles for c in connections}
+            with BagWriter(target, header, storage, lambda topic: qos.get(topic, [])) as bag:
                 for conn, stamp, data in reader.messages(connections):
                     bag.write_cdr(wanted[conn.topic], stamp, data)
                     count += 1

@@ -7,9 +7,10 @@
 
 Exit codes of ``replay``: 0 every output identical, 1 diverged (the report names the first
 divergent message per topic), 2 bad input (missing/corrupt bag, unusable bag, other model refused,
-node unreachable, interrupted). ``record`` exits 0 after a clean stop (Ctrl-C once recording, or
-``--duration``) and ``adopt`` after writing the bag; both exit 2 otherwise, e.g. when the node
-publishes no engine fingerprint on ``/diagnostics`` within ``--timeout`` (it is not configured).
+node unreachable, interrupted). ``record`` exits 0 after a clean stop (Ctrl-C once
+recording, or ``--duration``) that recorded at least one message, and ``adopt`` after writing the
+bag; both exit 2 otherwise, e.g. when the node publishes no engine fingerprint on ``/diagnostics``
+within ``--timeout`` (it is not configured) or nothing was recorded (the bag is kept, empty).
 The bag tools never load the model to learn the fingerprint: the node reports it.
 
 DDS stays on loopback unless the caller's environment says otherwise
@@ -94,6 +95,9 @@ def record(args) -> int:
     from flashrt_ros.bag.live import record_node
     output = args.output or Path(time.strftime("flashrt_%Y%m%d-%H%M%S"))
     count = record_node(args.node, output, args.storage, args.duration, args.timeout)
+    if count == 0:
+        raise BagError(f"recorded no messages into {output}: did {args.node} receive an observation "
+                       "while recording, on this ROS_DOMAIN_ID?")
     print(f"recorded {count} messages into {output}")
     return 0
 

@@ -1,11 +1,14 @@
 """Record a running flashrt node's session into a bag, with rclpy alone (no rosbag2 needed).
 
 The recorder subscribes to the node's four topics with ``raw=True`` and writes the serialized CDR
-bytes straight into the bag, stamped with their receive time, exactly as ``ros2 bag record`` does.
+bytes straight into the bag, stamped with their receive time, with the QoS profiles the publishers
+offer, exactly as ``ros2 bag record`` does. One writer thread opens, writes and closes the bag (an sqlite3
+connection may only be used from the thread that opened it; the executor's callbacks only queue).
 The bag header holds the node's parameters, read through the standard parameter services, and its
 engine's fingerprint, read from the node's ``/diagnostics`` status (never computed here: that would
 load the model a second time, which a large model on a robot cannot afford).
 """
+import queue
 import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -15,6 +18,7 @@ from rclpy.node import Node
 from rclpy.parameter import parameter_value_to_python
 from rclpy.parameter_client import AsyncParameterClient
 from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rosbags.interfaces import Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
 
 from flashrt_ros.bag.bagfile import TOPICS, BagError, BagHeader, BagWriter
 from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
@@ -88,32 +92,59 @@ class _FingerprintListener:
         self._node.destroy_subscription(self._subscription)
 
 
+def offered_qos(node: Node, topic: str) -> list[Qos]:
+    """The QoS profiles that ``topic``'s publishers offer, as rosbags writes them into a bag."""
+    def duration(d) -> QosTime:
+        return QosTime(*divmod(d.nanoseconds, 10**9))
+
+    return [Qos(QosHistory(int(p.history)), p.depth, QosReliability(int(p.reliability)),
+                QosDurability(int(p.durability)), duration(p.deadline), duration(p.lifespan),
+                QosLiveliness(int(p.liveliness)), duration(p.liveliness_lease_duration),
+                p.avoid_ros_namespace_conventions)
+            for p in (info.qos_profile for info in node.get_publishers_info_by_topic(topic))]
+
+
 class Recorder:
     """Writes everything ``header.node`` publishes (and receives on ``~/observation``) into a bag.
 
-    Messages are written from the subscription callbacks, so ``node`` must be spun by the caller;
-    :meth:`close` stops recording and writes the metadata. ``topics`` narrows what is recorded.
+    The subscription callbacks queue what arrives, so ``node`` must be spun by the caller; the writer
+    thread writes it. :meth:`close` stops recording, writes the metadata and raises :class:`BagError` if
+    the bag could not be written. ``topics`` narrows what is recorded.
     """
 
     def __init__(self, node: Node, path, header: BagHeader, storage: str = "mcap", topics=tuple(TOPICS)):
         self._node = node
-        self._lock = threading.Lock()
         self.count = 0  # messages written
-        self._bag = BagWriter(path, header, storage).__enter__()
+        self._received: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: Exception | None = None
+        bag = BagWriter(path, header, storage, lambda short: offered_qos(node, header.topic(short)))
+        opened = threading.Event()
+        self._thread = threading.Thread(target=self._write, args=(bag, opened), name="flashrt-bag-writer",
+                                        daemon=True)
+        self._thread.start()
+        opened.wait()
+        if self._error is not None:
+            raise self._error
         qos = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
         self._subscriptions = {
-            short: node.create_subscription(MSG_CLASSES[short], header.topic(short), self._writer(short), qos,
-                                            raw=True)
+            short: node.create_subscription(
+                MSG_CLASSES[short], header.topic(short),
+                lambda data, short=short: self._received.put((short, time.time_ns(), data)), qos, raw=True)
             for short in topics
         }
 
-    def _writer(self, short: str):
-        def write(data: bytes) -> None:
-            with self._lock:
-                if self._bag is not None:
-                    self._bag.write_cdr(short, time.time_ns(), data)
+    def _write(self, bag: BagWriter, opened: threading.Event) -> None:
+        """The writer thread: open the bag, write what arrives until ``None``, close it."""
+        try:
+            with bag:
+                opened.set()
+                while (item := self._received.get()) is not None:
+                    bag.write_cdr(*item)
                     self.count += 1
-        return write
+        except Exception as exc:  # noqa: BLE001 - raised again by the constructor or close()
+            self._error = exc if isinstance(exc, BagError) else BagError(f"writing the bag failed: {exc}")
+        finally:
+            opened.set()
 
     def connected(self) -> bool:
         """Whether the node's recorded output topics are matched (``~/observation`` is published by
@@ -124,7 +155,7 @@ class Recorder:
     def close(self) -> None:
         for subscription in self._subscriptions.values():
             self._node.destroy_subscription(subscription)
-        with self._lock:
-            bag, self._bag = self._bag, None
-        if bag is not None:
-            bag.__exit__(None, None, None)
+        self._received.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
