@@ -33,6 +33,8 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
     ("max_context", 2048, "tokens in the live context; the arena is sized from it", (16, 1 << 20), None),
     ("prefill_chunk", 64, "tokens per prefill chunk, a power of two (one graph bucket)", (1, 1 << 16), None),
     ("cuda_graphs", True, "capture CUDA graphs for prefill/decode (ignored on cpu)", None, None),
+    ("kernels", "auto", "kernel set: auto (Triton where a start-up probe passes, else reference) | triton | "
+     "reference", None, ("auto", "triton", "reference")),
     ("weights_format", "dense", "weight quantization: dense (weights in dtype), fp8 (E4M3) or nvfp4 (4-bit)", None,
      quant.FORMATS),
     ("weights_exclude", "", "comma-separated patterns of projections kept dense, e.g. '*.linear_attn.*,lm_head'",
@@ -140,7 +142,7 @@ def read_settings(node) -> NodeSettings:
     return NodeSettings(
         engine=EngineConfig(
             model=p["model"], device=p["device"], dtype=p["dtype"], max_context=p["max_context"],
-            prefill_chunk=p["prefill_chunk"], cuda_graphs=p["cuda_graphs"],
+            prefill_chunk=p["prefill_chunk"], cuda_graphs=p["cuda_graphs"], kernels=p["kernels"],
             capsule_budget_bytes=p["capsule_budget_mb"] << 20, history_depth=p["history_depth"], seed=p["seed"],
             weights_format=p["weights_format"], weights_exclude=quant.parse_patterns(p["weights_exclude"]),
             capsule_budget_fraction=p["capsule_budget_fraction"]),

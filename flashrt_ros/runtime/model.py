@@ -276,10 +276,15 @@ class Qwen35(nn.Module):
         hidden = h                                            # the final norm's output
         if cfg.mtp_num_hidden_layers:
             self._mtp_forward(embeds, hidden, cos, sin, positions, count, kernels)
-        last = length - 1 if count is None else count - 1
-        arena["hidden"].copy_(hidden[last])
-        meta[LAST_TOKEN] = tokens[last]
-        meta[POSITION] += length if count is None else count
+        if count is None:
+            arena["hidden"].copy_(hidden[-1])
+            meta[LAST_TOKEN] = tokens[-1]
+            meta[POSITION] += length
+        else:   # index_select: indexing with a device scalar would read it on the host (not capturable)
+            last = (count - 1).view(1)
+            arena["hidden"].copy_(hidden.index_select(0, last)[0])
+            meta[LAST_TOKEN:LAST_TOKEN + 1].copy_(tokens.index_select(0, last))
+            meta[POSITION] += count
 
     def _mtp_forward(self, embeds, hidden, cos, sin, positions, count, kernels) -> None:
         """Advance the MTP head's KV: the pair at position p is (hidden state before token p, embedding of token p).
