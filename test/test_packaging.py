@@ -7,6 +7,7 @@ import importlib.metadata
 import pathlib
 import re
 import sys
+import sysconfig
 
 import pytest
 from catkin_pkg.package import parse_package
@@ -197,11 +198,13 @@ def test_cmake_interface_list_matches_the_files():
 # ---------------------------------------------------------------- what `pip install .` puts into the prefix
 
 def installed_files() -> set[str]:
-    """Files pip recorded for the installed flashrt_ros, relative to sys.prefix."""
-    try:
-        files = importlib.metadata.files(PACKAGE) or []
-    except importlib.metadata.PackageNotFoundError:
+    """Files pip recorded for the installed flashrt_ros, relative to sys.prefix. Read from site-packages: the
+    checkout on sys.path may hold a build's flashrt_ros.egg-info, which records no installed files."""
+    site = sysconfig.get_paths()["purelib"]
+    dists = list(importlib.metadata.distributions(name=PACKAGE, path=[site]))
+    if not dists:
         pytest.skip("flashrt_ros is not installed (make env / pip install --no-build-isolation .)")
+    files = dists[0].files or []
     prefix = pathlib.Path(sys.prefix).resolve()
     return {str(pathlib.Path(f.locate()).resolve().relative_to(prefix)) for f in files
             if pathlib.Path(f.locate()).resolve().is_relative_to(prefix)}

@@ -3,6 +3,8 @@ and `ros2 param`; `ros2 run`. See ros2_tools.py for where they run.
 """
 import sys
 
+import re
+
 import pytest
 import yaml
 from conftest import RosClient
@@ -40,7 +42,9 @@ def test_thor_file_in_a_namespace_driven_through_the_lifecycle(ros_context, tmp_
             "param", "set", node, "max_context", "1024")
         assert lifecycle_set(node, "activate") == "Transitioning successful"
         listing = ros2("service", "call", f"{node}/list_capsules", "flashrt_ros/srv/ListCapsules")
-        assert "success=True" in listing and f"budget_bytes={8192 << 20}" in listing  # thor.yaml's budget
+        # thor.yaml's budget (8 GiB), capped by its capsule_budget_fraction of MemAvailable on this machine
+        budget = int(re.search(r"budget_bytes=(\d+)", listing).group(1))
+        assert "success=True" in listing and 0 < budget <= 8192 << 20
         for transition, state in (("deactivate", "inactive"), ("cleanup", "unconfigured")):
             assert lifecycle_set(node, transition) == "Transitioning successful"
             assert lifecycle_state(node) == state
