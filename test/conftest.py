@@ -148,3 +148,16 @@ def node_and_client(ros_context, request):
         client = RosClient(ros_context, node.get_fully_qualified_name())
         yield node, client
         client.close()
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty hands out NaN-filled tensors, so an output element a kernel fails to write shows up."""
+    import torch
+
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+    monkeypatch.setattr(torch, "empty", empty)
