@@ -53,7 +53,9 @@ def recorded(ros_context, tmp_path: Path, namespace: str):
         client.wait_ready(60.0)
         recorder = subprocess.Popen(
             [sys.executable, "-m", "flashrt_ros.bag.cli", "record", "--node", target, "-o", str(bag)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            # a shell's background job ignores SIGINT, and a child inheriting that would never see the Ctrl-C below
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             lines = []  # the recorder says "recording ..." once it is subscribed (logs may come first)
             while not (lines and lines[-1].startswith("recording")):
