@@ -16,8 +16,9 @@ from .kernels import KernelSet
 
 
 # Prefill pieces up to this length run as one graph replay on CUDA, padded to a multiple of PIECE_BUCKET; the
-# padding rows are masked out of every state write, so the arena ends byte-identical to an unpadded run. Longer
-# pieces run eagerly over exactly the live span (and may use fla-core's chunked delta rule).
+# padding rows are masked out of every state write, so whatever they hold the arena ends byte-identical. (Against
+# the same tokens run unpadded it agrees within rounding only: GEMM libraries round a row differently for another
+# row count.) Longer pieces run eagerly over exactly the live span (and may use fla-core's chunked delta rule).
 SMALL_PIECE = 64
 PIECE_BUCKET = 8
 
