@@ -61,7 +61,8 @@ from typing import Callable, Optional
 from flashrt_ros.discretiser import Discretiser
 from flashrt_ros.operations import (CapsuleResult, Done, DropResult, ListResult, PositionResult,
                                     ResumeResult)
-from flashrt_ros.runtime import ErrorCode, FlashRTError, SamplingParams
+from flashrt_ros.runtime import (INTERRUPTED_PREFIX, ErrorCode, FlashRTError, SamplingParams,
+                                 validate_client_capsule_id)
 
 PRIORITY_NORMAL = 0
 PRIORITY_URGENT = 1
@@ -69,8 +70,6 @@ PRIORITY_URGENT = 1
 LENGTH, STOP, CONTEXT_FULL = "length", "stop", "context_full"
 PREEMPTED, CANCELED, ERROR = "preempted", "canceled", "error"
 _FINISH_CODES = {PREEMPTED: ErrorCode.PREEMPTED, CANCELED: ErrorCode.CANCELED, ERROR: ErrorCode.INTERNAL}
-
-INTERRUPTED_PREFIX = "interrupted-"
 
 
 @dataclass
@@ -358,7 +357,8 @@ class Session:
             if obs.snapshot_label:  # refuse now rather than ingest and then fail to take the capsule(s)
                 # a preempted generation is kept as a capsule of the current state first: both must fit
                 interrupted = (self.engine.position,) if self._active is not None else ()
-                self.engine.check_capsule_room(*interrupted, self.engine.position + len(ids))
+                self.engine.check_capsule_room(*interrupted, self.engine.position + len(ids),
+                                               label=obs.snapshot_label)
             if self._active is not None:
                 self._active.stop(PREEMPTED)
             if ids:
@@ -425,8 +425,8 @@ class Session:
 
     # ---- state operations ---------------------------------------------------------------------
     def snapshot(self, capsule_id: str = "", label: str = "") -> CapsuleResult:
-        return self._operation("snapshot", lambda: self._capsule(self.engine.snapshot(capsule_id or None, label)),
-                               {"capsule_id": capsule_id, "label": label})
+        return self._operation("snapshot", lambda: self._capsule(self.engine.snapshot(
+            self._client_id(capsule_id), label)), {"capsule_id": capsule_id, "label": label})
 
     def restore(self, capsule_id: str, verify_checksum: bool = False) -> CapsuleResult:
         return self._operation("restore", lambda: self._replacing(lambda: self._capsule(
@@ -439,7 +439,7 @@ class Session:
             if source_id:
                 self._known(source_id)
             call = lambda: self._capsule(  # noqa: E731
-                self.engine.fork(source_id or None, capsule_id or None, label, switch_to))
+                self.engine.fork(source_id or None, self._client_id(capsule_id), label, switch_to))
             return self._replacing(call) if switch_to and source_id else call()
         return self._operation("fork", run, {"capsule_id": capsule_id, "source_id": source_id, "label": label,
                                              "switch_to": switch_to})
@@ -543,6 +543,11 @@ class Session:
 
     def _capsule(self, info) -> CapsuleResult:
         return CapsuleResult(info, self.engine.position)
+
+    @staticmethod
+    def _client_id(capsule_id: str) -> str | None:
+        """A client's requested capsule id (None: the engine picks one), refused if invalid or reserved."""
+        return validate_client_capsule_id(capsule_id) if capsule_id else None
 
     def _known(self, capsule_id: str) -> str:
         """Validate the id's form and that the capsule exists (UNKNOWN_CAPSULE otherwise)."""

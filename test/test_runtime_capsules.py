@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
+from flashrt_ros.runtime import (MAX_LABEL_BYTES, Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams,
+                                 validate_capsule_id)
 from flashrt_ros.runtime.capsules import _HEADER
 from flashrt_ros.runtime.checksum import checksum
 
@@ -134,6 +137,12 @@ REFUSALS = {
     "snapshot-id-with-slash": (ErrorCode.INVALID_CAPSULE_ID, lambda e, d: e.snapshot("../x")),
     "snapshot-id-too-long": (ErrorCode.INVALID_CAPSULE_ID, lambda e, d: e.snapshot("x" * 65)),
     "snapshot-id-non-ascii": (ErrorCode.INVALID_CAPSULE_ID, lambda e, d: e.snapshot("café")),
+    "snapshot-label-too-long": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.snapshot("l", "x" * (MAX_LABEL_BYTES + 1))),
+    "snapshot-label-too-many-utf8-bytes": (ErrorCode.INVALID_ARGUMENT,
+                                           lambda e, d: e.snapshot("l", "é" * (MAX_LABEL_BYTES // 2 + 1))),
+    "fork-label-too-long": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.fork("base", "l", "x" * (MAX_LABEL_BYTES + 1))),
+    "fork-live-label-too-long": (ErrorCode.INVALID_ARGUMENT,
+                                 lambda e, d: e.fork(None, "l", "x" * (MAX_LABEL_BYTES + 1), switch=True)),
     "restore-unknown": (ErrorCode.UNKNOWN_CAPSULE, lambda e, d: e.restore("nope")),
     "restore-empty-id": (ErrorCode.INVALID_CAPSULE_ID, lambda e, d: e.restore("")),
     "restore-corrupted-verified": (ErrorCode.CHECKSUM_MISMATCH,
@@ -523,6 +532,33 @@ def test_explicit_numbered_ids_move_the_automatic_numbering_on(engine):
     engine.snapshot("c0001")
     engine.drop("c0001")
     assert engine.snapshot().id == "c0002"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(digits=st.integers(min_value=4, max_value=63), nines=st.booleans())
+def test_generated_ids_stay_valid_whatever_explicit_numbered_ids_came_before(engine, digits, nines):
+    """An explicit id of the generated form, up to the 64-character limit, must not push the next generated id
+    past it: such a capsule could never be restored or dropped (a budget leak any client could cause)."""
+    explicit = "c" + ("9" * digits if nines else "1" + "0" * (digits - 1))
+    engine.snapshot(explicit)
+    generated = engine.snapshot().id
+    assert validate_capsule_id(generated) and generated != explicit
+    engine.restore(generated)
+    assert engine.drop(generated) > 0 and engine.drop(explicit) > 0
+    assert engine.capsule_bytes_used == 0
+
+
+def test_labels_count_in_the_budget(engine):
+    """A label is held with its capsule: the budget and list_capsules' used bytes include its UTF-8 bytes."""
+    payload = engine.arena.live_nbytes(engine.position)
+    fitted = make_engine(capsule_budget_bytes=payload + 20)
+    fitted.ingest(PROMPT)
+    with refused(fitted, ErrorCode.BUDGET_EXCEEDED):
+        fitted.snapshot("a", label="é" * 11)          # 22 bytes of label: 2 over
+    info = fitted.snapshot("a", label="é" * 10)
+    assert fitted.capsule_bytes_used == info.nbytes + 20 == fitted.capsule_budget_bytes
+    with refused(fitted, ErrorCode.BUDGET_EXCEEDED):
+        fitted.fork("a", "b")
 
 
 def test_dropping_the_restored_capsule_releases_its_bytes_and_keeps_rollback_working(engine):

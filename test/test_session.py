@@ -2,7 +2,8 @@
 import pytest
 
 from flashrt_ros.discretiser import Discretiser
-from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
+from flashrt_ros.runtime import (INTERRUPTED_PREFIX, MAX_LABEL_BYTES, Engine, EngineConfig, ErrorCode, FlashRTError,
+                                 SamplingParams)
 from flashrt_ros.session import (PRIORITY_URGENT, ActionOutput, EventOutput, ObservationInput, Session,
                                  TokenOutput)
 
@@ -207,10 +208,11 @@ def test_observation_label_asks_the_engine_for_room_at_the_position_after_ingest
     """The capsule-room check goes through the engine's public API, for the position the capsule will have."""
     asked = []
     check = engine.check_capsule_room
-    monkeypatch.setattr(engine, "check_capsule_room", lambda *positions: (asked.append(positions), check(*positions)))
+    monkeypatch.setattr(engine, "check_capsule_room",
+                        lambda *positions, label: (asked.append((positions, label)), check(*positions, label=label)))
     session.observe(ObservationInput(text="ab"))
     session.observe(ObservationInput(text="cde", snapshot_label="labelled"))
-    assert asked == [(5,)] and engine.capsules()[0].position == 5
+    assert asked == [((5,), "labelled")] and engine.capsules()[0].position == 5
 
 
 def test_urgent_labelled_observation_that_cannot_keep_both_capsules_changes_nothing(outputs):
@@ -258,6 +260,13 @@ REFUSALS = [
     ("restore malformed", lambda s: s.restore("../etc"), ErrorCode.INVALID_CAPSULE_ID),
     ("snapshot duplicate", lambda s: s.snapshot("base"), ErrorCode.DUPLICATE_CAPSULE_ID),
     ("snapshot malformed", lambda s: s.snapshot("a b"), ErrorCode.INVALID_CAPSULE_ID),
+    ("snapshot with a reserved id", lambda s: s.snapshot(f"{INTERRUPTED_PREFIX}7"), ErrorCode.INVALID_CAPSULE_ID),
+    ("fork to a reserved id", lambda s: s.fork("base", f"{INTERRUPTED_PREFIX}7"), ErrorCode.INVALID_CAPSULE_ID),
+    ("fork of live to a reserved id", lambda s: s.fork("", f"{INTERRUPTED_PREFIX}7"), ErrorCode.INVALID_CAPSULE_ID),
+    ("snapshot label too long", lambda s: s.snapshot("l", "x" * (MAX_LABEL_BYTES + 1)), ErrorCode.INVALID_ARGUMENT),
+    ("observation label too long", lambda s: s.observe(ObservationInput(token_ids=[1],
+                                                                         snapshot_label="x" * (MAX_LABEL_BYTES + 1))),
+     ErrorCode.INVALID_ARGUMENT),
     ("fork unknown source", lambda s: s.fork("nope", "x"), ErrorCode.UNKNOWN_CAPSULE),
     ("rollback both", lambda s: s.rollback("base", 1), ErrorCode.INVALID_ARGUMENT),
     ("rollback neither", lambda s: s.rollback(), ErrorCode.INVALID_ARGUMENT),
@@ -304,6 +313,18 @@ def test_refused_request_changes_nothing_and_reports_one_event(engine, outputs, 
     assert session.active is gen and not gen.finished  # not even the running generation noticed
     (event,) = of(outputs, EventOutput)[seq:]
     assert not event.success and event.error_code == code and event.message
+
+
+def test_a_client_cannot_take_the_id_a_preempted_stream_will_need(engine, session, outputs):
+    """interrupted-<n> is the node's: refused for a client, so request n, once preempted, is still resumable."""
+    first = session.observe(ObservationInput(text="go", max_new_tokens=8))
+    with pytest.raises(FlashRTError) as err:
+        session.snapshot(f"{INTERRUPTED_PREFIX}{first.request_id}")
+    assert err.value.code == ErrorCode.INVALID_CAPSULE_ID and "reserved" in err.value.message
+    first.step()
+    session.observe(ObservationInput(text="!", priority=PRIORITY_URGENT))
+    assert session.interrupted() == {f"{INTERRUPTED_PREFIX}{first.request_id}": first.remaining}
+    assert session.resume().request_id > first.request_id
 
 
 def test_refused_request_reports_the_live_position_it_left(engine, session):

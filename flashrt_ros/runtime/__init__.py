@@ -2,11 +2,13 @@
 
 Pure PyTorch; no ROS imports anywhere below this package.
 """
-from .capsules import CapsuleInfo, validate_capsule_id
+from .capsules import (INTERRUPTED_PREFIX, MAX_LABEL_BYTES, CapsuleInfo, validate_capsule_id,
+                       validate_client_capsule_id)
 from .config import PRESETS, ModelConfig
 from .engine import Engine, EngineConfig
 from .errors import ErrorCode, FlashRTError
 from .sampler import SamplingParams
 
-__all__ = ["CapsuleInfo", "Engine", "EngineConfig", "ErrorCode", "FlashRTError", "ModelConfig", "PRESETS",
-           "SamplingParams", "validate_capsule_id"]
+__all__ = ["CapsuleInfo", "Engine", "EngineConfig", "ErrorCode", "FlashRTError", "INTERRUPTED_PREFIX",
+           "MAX_LABEL_BYTES", "ModelConfig", "PRESETS", "SamplingParams", "validate_capsule_id",
+           "validate_client_capsule_id"]

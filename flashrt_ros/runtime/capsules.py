@@ -14,8 +14,14 @@ import torch
 from .checksum import checksum
 from .errors import ErrorCode, FlashRTError
 
-_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_AUTO_ID = re.compile(r"c(\d{4,})")
+MAX_ID_CHARS = 64
+MAX_LABEL_BYTES = 256      # UTF-8 bytes; a label is held with its capsule and counts in the budget
+INTERRUPTED_PREFIX = "interrupted-"   # a preempted stream is kept as interrupted-<request id>
+RESERVED_ID_PREFIXES = (INTERRUPTED_PREFIX,)   # ids the node creates itself: clients may not take them
+_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,%d}" % MAX_ID_CHARS)
+# Explicit ids of the generated form move the numbering on (a bag replay names them); beyond 9 digits they do not,
+# so a generated id stays short (at most 1 + 10 characters) whatever a client chose.
+_AUTO_ID = re.compile(r"c(\d{4,9})")
 _FILE_MAGIC = b"FLASHRT-CAPSULE\0"
 _FILE_VERSION = 1
 _HEADER = struct.Struct("<16sIQ")  # magic, version, header length
@@ -26,6 +32,27 @@ def validate_capsule_id(capsule_id: str) -> str:
         raise FlashRTError(ErrorCode.INVALID_CAPSULE_ID,
                            f"capsule id {capsule_id!r} must match [A-Za-z0-9_.-]{{1,64}}")
     return capsule_id
+
+
+def validate_client_capsule_id(capsule_id: str) -> str:
+    """An id a client asks for: a valid id outside the reserved prefixes."""
+    validate_capsule_id(capsule_id)
+    reserved = next((p for p in RESERVED_ID_PREFIXES if capsule_id.startswith(p)), None)
+    if reserved:
+        raise FlashRTError(ErrorCode.INVALID_CAPSULE_ID,
+                           f"capsule id {capsule_id!r}: the prefix {reserved!r} is reserved for the node's own capsules")
+    return capsule_id
+
+
+def label_nbytes(label: str) -> int:
+    """The bytes a label holds in the store; refuses a label that is not a string or is over MAX_LABEL_BYTES."""
+    if not isinstance(label, str):
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"a capsule label must be a string, got {type(label).__name__}")
+    nbytes = len(label.encode())
+    if nbytes > MAX_LABEL_BYTES:
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT,
+                           f"capsule label of {nbytes} bytes is over the limit of {MAX_LABEL_BYTES} (UTF-8)")
+    return nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +86,8 @@ class CapsuleStore:
 
     @property
     def used_bytes(self) -> int:
-        return sum(c.info.nbytes for c in self._capsules.values())
+        """Payload and label bytes of every stored capsule."""
+        return sum(c.info.nbytes + label_nbytes(c.info.label) for c in self._capsules.values())
 
     def __contains__(self, capsule_id: str) -> bool:
         return capsule_id in self._capsules
@@ -71,11 +99,12 @@ class CapsuleStore:
         except KeyError:
             raise FlashRTError(ErrorCode.UNKNOWN_CAPSULE, f"no capsule {capsule_id!r}") from None
 
-    def new_id(self, requested: str | None) -> str:
-        """Validate a requested id (or pick the next free ``cNNNN``) before any bytes are copied.
+    def new_id(self, requested: str | None, label: str = "") -> str:
+        """Validate a requested id (or pick the next free ``cNNNN``) and the label before any bytes are copied.
 
         Nothing is reserved: a later refusal (e.g. the budget) leaves the numbering as it was.
         """
+        label_nbytes(label)
         if requested:
             validate_capsule_id(requested)
             if requested in self._capsules:
@@ -86,7 +115,9 @@ class CapsuleStore:
             number += 1
         return f"c{number:04d}"
 
-    def check_room(self, nbytes: int) -> None:
+    def check_room(self, nbytes: int, label: str = "") -> None:
+        """Refuse unless a capsule of ``nbytes`` payload bytes with this label fits in the budget."""
+        nbytes += label_nbytes(label)
         if self.used_bytes + nbytes > self.budget_bytes:
             raise FlashRTError(
                 ErrorCode.BUDGET_EXCEEDED,
@@ -94,7 +125,7 @@ class CapsuleStore:
 
     def add(self, capsule: Capsule, lineage_parent: str) -> None:
         """Store a capsule; ``lineage_parent`` is a stored capsule it descends from, or ""."""
-        self.check_room(capsule.info.nbytes)
+        self.check_room(capsule.info.nbytes, capsule.info.label)
         self._capsules[capsule.info.id] = capsule
         self._parents[capsule.info.id] = lineage_parent if lineage_parent in self._capsules else ""
         numbered = _AUTO_ID.fullmatch(capsule.info.id)

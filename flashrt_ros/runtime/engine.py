@@ -381,9 +381,9 @@ class Engine:
         return data
 
     def _new_capsule(self, capsule_id: str | None, label: str, parent: str) -> CapsuleInfo:
-        new_id = self.store.new_id(capsule_id)
+        new_id = self.store.new_id(capsule_id, label)
         position = self.position
-        self.store.check_room(self.arena.live_nbytes(position))
+        self.store.check_room(self.arena.live_nbytes(position), label)
         data = self._copy_live(position)
         info = CapsuleInfo(id=new_id, parent=parent, label=label, position=position, nbytes=data.numel(),
                            tier="device" if data.is_cuda else "host",
@@ -440,8 +440,8 @@ class Engine:
                 self.live_parent = info.id
             return info
         source = self._restorable(source_id, verify_checksum=False)
-        new_id = self.store.new_id(capsule_id)
-        self.store.check_room(source.info.nbytes)
+        new_id = self.store.new_id(capsule_id, label)
+        self.store.check_room(source.info.nbytes, label)
         info = dataclasses.replace(source.info, id=new_id, parent=source_id, label=label, created=time.time())
         self.store.add(Capsule(info, source.fingerprint, source.data.clone()), lineage_parent=source_id)
         if switch:
@@ -478,9 +478,10 @@ class Engine:
                                  if self.store.get(a).info.position <= position), "")
         return position
 
-    def check_capsule_room(self, *positions: int) -> None:
-        """Raise BUDGET_EXCEEDED unless capsules of the live state at all these positions (default: now) fit."""
-        self.store.check_room(sum(self.arena.live_nbytes(p) for p in (positions or (self.position,))))
+    def check_capsule_room(self, *positions: int, label: str = "") -> None:
+        """Raise BUDGET_EXCEEDED unless capsules of the live state at all these positions (default: now) fit,
+        the last one labelled ``label``."""
+        self.store.check_room(sum(self.arena.live_nbytes(p) for p in (positions or (self.position,))), label)
 
     def drop(self, capsule_id: str) -> int:
         """Free a capsule. The live state and other capsules then descend from its nearest stored ancestor."""
@@ -525,7 +526,7 @@ class Engine:
         if capsule.fingerprint == self.fingerprint:   # another model's layout cannot be checked here
             self._check_size(capsule, f"capsule file {path}")
         capsule_io.validate_capsule_id(capsule.info.id)
-        self.store.new_id(capsule.info.id)
+        self.store.new_id(capsule.info.id, capsule.info.label)
         self.store.add(capsule, lineage_parent="")   # its recorded parent belongs to another session
         return capsule.info
 
