@@ -5,6 +5,12 @@ tensors through Triton's interpreter (slowly, for correctness only).
 """
 from __future__ import annotations
 
+import os
+
+# Triton builds a kernel for its interpreter or for the compiler when the kernel is decorated (at import), so flags
+# that pick interpreter workarounds are read here, once, at the same moment.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 try:
     import triton
     import triton.language as tl

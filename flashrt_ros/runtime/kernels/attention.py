@@ -3,8 +3,6 @@
 unrepeated (:func:`attention_prefill`, the contract of :func:`attention_causal`)."""
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
@@ -12,7 +10,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ._layout import require, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import jit, tl, triton
+from ._triton import INTERPRETED, jit, tl, triton
 
 
 def attention_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -73,10 +71,12 @@ def attention_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
 def _dot(a, b, FP32: tl.constexpr):
     """a @ b accumulated in fp32; with FP32 the operands are taken in fp32 at full precision (Triton's default for
     fp32 is TF32). FP32 is set for fp32 inputs, and under Triton's interpreter, whose tl.dot multiplies bf16
-    operands as their raw uint16 bits (triton 3.9.0)."""
+    operands as their raw uint16 bits (triton 3.9.0). (One return: see quant_gemv._accumulate.)"""
     if FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @jit
@@ -195,7 +195,7 @@ def attention_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         q, q.stride(0), q.stride(1), keys, keys.stride(0), keys.stride(1), values, values.stride(0), values.stride(1),
         positions, acc, maxes, sums, length, span, heads, dim, splits, dim ** -0.5, GROUPS=groups, ROWS=plan["rows"],
         SPLIT=plan["split"], BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_D=plan["block_d"],
-        FP32_DOT=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", num_warps=plan["warps"],
+        FP32_DOT=q.dtype == torch.float32 or INTERPRETED, num_warps=plan["warps"],
         num_stages=2)
     out = torch.empty(length, heads, dim, dtype=q.dtype, device=q.device)
     _attention_combine_kernel[(length, heads)](acc, maxes, sums, positions, out, heads, dim, splits,

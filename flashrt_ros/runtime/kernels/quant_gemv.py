@@ -18,12 +18,10 @@ one pass and cuBLAS multiplies.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from ._triton import jit, tl, triton
+from ._triton import INTERPRETED, jit, tl, triton
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitudes of codes 0-7; bit 3 is the sign
 NVFP4_GROUP = 16
@@ -31,7 +29,6 @@ GEMV_MAX_ROWS = 256                 # fused up to here (Thor's 256-token prefill
 _MAX_BLOCK_L = 64                   # rows per program; more rows run as more programs
 _BLOCK_N = 32
 _BLOCK_K = 256
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -75,12 +72,18 @@ def _accumulate(acc, x, w, ONE_ROW: tl.constexpr, IEEE: tl.constexpr):
     """acc += x @ w.T. One row (decode): fp32 FMAs into a [BLOCK_N, k] accumulator that is summed once after the
     loop, so no tensor-core padding. Several rows: tl.dot on w rounded to x's dtype; fp32 inputs multiply in full
     precision, never TF32. Triton's interpreter multiplies bf16 operands of tl.dot as raw bit patterns, so there
-    (IEEE is set) both go through fp32."""
+    (IEEE is set) both go through fp32.
+
+    One return after an if/elif/else on the constexprs: Triton <= 3.6 still type-checks the statements after a
+    ``return`` inside a constexpr ``if`` (as dead code), and ``acc + tl.dot(...)`` does not type-check at ONE_ROW's
+    shapes ("CompilationError ... incompatible dimensions")."""
     if ONE_ROW:
-        return acc + w * x.to(tl.float32)
-    if IEEE:
-        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
-    return acc + tl.dot(x, tl.trans(w.to(x.dtype)))
+        acc = acc + w * x.to(tl.float32)
+    elif IEEE:
+        acc = acc + tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
+    else:
+        acc = acc + tl.dot(x, tl.trans(w.to(x.dtype)))
+    return acc
 
 
 @jit
@@ -168,7 +171,7 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
     nvfp4 = row_scale is not None
     _quant_gemv_kernel[(n_blocks, splits, l_blocks)](
         x, q, scale, row_scale if nvfp4 else scale, out, rows, n, k, x.stride(0), k_split,
-        NVFP4=nvfp4, GROUP=group, PER_CHANNEL=not nvfp4 and group == k, IEEE=x.dtype == torch.float32 or _INTERPRETED,
+        NVFP4=nvfp4, GROUP=group, PER_CHANNEL=not nvfp4 and group == k, IEEE=x.dtype == torch.float32 or INTERPRETED,
         ONE_ROW=rows == 1, BLOCK_L=block_l, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, TILE_K=_BLOCK_K // 2 if nvfp4 else _BLOCK_K, num_warps=4)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)   # fixed-order reduction: deterministic
 
