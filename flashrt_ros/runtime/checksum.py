@@ -1,24 +1,43 @@
 """Device-side checksum of byte buffers: verifies a capsule where it lives, without copying it to the host.
 
-checksum = (sum of w_i * c_i, sum of w_i) mod 2**64 over the buffer's int32 words w_i, with c_i an odd 24-bit
-multiplier derived from i, so a change to any word (or a swap of two words) changes it. Integer sums are
-order-independent, so CPU, torch-CUDA and the optional CuPy kernel (one fused pass, no temporaries) agree exactly.
+For in-memory integrity only (bit rot, a stray write, a bug that edits a stored capsule): it is NOT cryptographic,
+and someone who may choose the bytes can find collisions. Files are authenticated by capsule_file.py instead.
+
+Each int32 word w_i (as an unsigned 32-bit value) and its index i are mixed into h_i = fmix64(i * G + w_i) (the
+SplitMix64 finaliser, a bijection of 64-bit values), and the checksum is the 128-bit pair
+
+    (sum of h_i, sum of g(h_i) + byte length) mod 2**64,    g(h) = (h ^ (h >> 32)) * M
+
+Unlike a linear sum (sum of c_i * w_i), whose edits cancel when the attacker solves one linear equation per sum
+(3 chosen words suffice), an edit of any number of words changes the sums by differences of pseudo-random 64-bit
+values. Wrapping integer sums are order-independent, so CPU, torch-CUDA and the optional CuPy kernel (one fused
+pass, no temporaries) agree exactly.
 """
 from __future__ import annotations
 
 import torch
 
-_CHUNK_WORDS = 1 << 24
+_CHUNK_WORDS = 1 << 22
 _MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_MIX3 = 0xD6E8FEB86659FD93
 
 _CUDA_SOURCE = r"""
-extern "C" __global__ void flashrt_checksum(const int* words, unsigned long long n, unsigned long long* out) {
+__device__ __forceinline__ unsigned long long fmix(unsigned long long z) {
+    z ^= z >> 30; z *= 0xBF58476D1CE4E5B9ULL;
+    z ^= z >> 27; z *= 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+extern "C" __global__ void flashrt_checksum(const unsigned int* words, unsigned long long n,
+                                            unsigned long long* out) {
     unsigned long long s1 = 0, s2 = 0;
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
-        unsigned long long w = (unsigned long long)(long long)words[i];
-        s1 += w * (((i * 2654435761ULL) & 0xFFFFFFULL) | 1ULL);
-        s2 += w;
+        unsigned long long h = fmix(i * 0x9E3779B97F4A7C15ULL + (unsigned long long)words[i]);
+        s1 += h;
+        s2 += (h ^ (h >> 32)) * 0xD6E8FEB86659FD93ULL;
     }
     for (int offset = 16; offset > 0; offset >>= 1) {
         s1 += __shfl_down_sync(0xffffffffu, s1, offset);
@@ -36,9 +55,29 @@ except Exception:  # noqa: BLE001 - cupy is optional
     _cupy_kernel = None
 
 
-def _multipliers(start: int, count: int, device) -> torch.Tensor:
-    idx = torch.arange(start, start + count, dtype=torch.int64, device=device)
-    return ((idx * 2654435761) & 0xFFFFFF) | 1
+def _signed(value: int) -> int:
+    """A 64-bit constant as torch's int64 (which wraps like uint64 under + and *)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values seen as uint64 (torch's >> is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(words: torch.Tensor, start: int) -> torch.Tensor:
+    z = torch.arange(start, start + words.numel(), dtype=torch.int64, device=words.device)
+    z.mul_(_signed(_GOLDEN)).add_(words.to(torch.int64) & 0xFFFFFFFF)
+    z ^= _shr(z, 30)
+    z.mul_(_signed(_MIX1))
+    z ^= _shr(z, 27)
+    z.mul_(_signed(_MIX2))
+    z ^= _shr(z, 31)
+    return z
+
+
+def _format(s1: int, s2: int, nbytes: int) -> str:
+    return f"{s1 & _MASK64:016x}{(s2 + nbytes) & _MASK64:016x}"
 
 
 def checksum_torch(data: torch.Tensor) -> str:
@@ -46,21 +85,21 @@ def checksum_torch(data: torch.Tensor) -> str:
     s1 = torch.zeros((), dtype=torch.int64, device=words.device)
     s2 = torch.zeros((), dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[start:start + _CHUNK_WORDS].to(torch.int64)
-        s1 += (chunk * _multipliers(start, chunk.numel(), words.device)).sum()
-        s2 += chunk.sum()
-    return f"{int(s1) & _MASK64:016x}{int(s2) & _MASK64:016x}"
+        h = _mix(words[start:start + _CHUNK_WORDS], start)
+        s1 += h.sum()
+        s2 += ((h ^ _shr(h, 32)).mul_(_signed(_MIX3))).sum()
+    return _format(int(s1), int(s2), data.numel())
 
 
 def checksum_cupy(data: torch.Tensor) -> str:
     """One fused pass on the GPU (grid-stride loop, warp reduction, two atomics): no int64 temporaries."""
     with cupy.cuda.ExternalStream(torch.cuda.current_stream(data.device).cuda_stream):
-        words = cupy.from_dlpack(_as_words(data))
+        words = cupy.from_dlpack(_as_words(data)).view(cupy.uint32)
         out = cupy.zeros(2, dtype=cupy.uint64)
         blocks = max(1, min(-(-words.size // 256), 4096))
         _cupy_kernel((blocks,), (256,), (words, cupy.uint64(words.size), out))
         s1, s2 = (int(x) for x in out.get())
-    return f"{s1:016x}{s2:016x}"
+    return _format(s1, s2, data.numel())
 
 
 def checksum(data: torch.Tensor) -> str:

@@ -26,6 +26,8 @@ class ErrorCode(enum.IntEnum):
     NOTHING_TO_RESUME = 16
     LOAD_FAILED = 17
     INTERNAL = 18
+    NO_CAPSULE_DIR = 19
+    FILE_ERROR = 20
 
 
 class FlashRTError(Exception):

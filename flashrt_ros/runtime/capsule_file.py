@@ -1,0 +1,329 @@
+"""Capsule files (format 2): authenticated, size-checked before any allocation, streamed, written atomically.
+
+Layout of ``<capsule_dir>/<capsule_id>.capsule``::
+
+    prelude     magic "FLASHRT-CAPSULE\\0", uint32 version (2), uint64 header length      (little-endian)
+    header      JSON: {"auth", "fingerprint", "info": {id, parent, label, position, nbytes, checksum, created}}
+    header tag  32 bytes: MAC(prelude + header)                   -> the header alone can be trusted cheaply
+    payload     info.nbytes bytes: the capsule's bytes in capsule layout
+    file tag    32 bytes: MAC(prelude + header + header tag + payload)
+
+MAC is HMAC-SHA256 with the configured key (``auth`` "hmac-sha256"), else plain SHA-256 (``auth`` "sha256").
+Every byte of the file is covered. Without a key the digest catches damage and edits, but anyone who can write
+the file can recompute it: only a key makes a forged file (e.g. another model's bytes under this engine's
+fingerprint) detectable. A reader uses its own key setting, never the header's ``auth``: with a key it refuses
+unsigned files, without one it refuses signed files (it cannot check them).
+
+Reading checks, in order and before allocating anything: the prelude, the header tag, the header's fields and
+types, the file size against the header, then the caller's ``expect(info, fingerprint)`` (the engine: its
+fingerprint, the byte count its arena has at that position, the id, the budget). Only then is one tensor of the
+payload's size allocated and filled chunk by chunk while hashing; the file tag and the capsule's device
+checksum are checked before the capsule is returned. Version 1 files (whose label, parent and created were
+outside a linear checksum) are refused with that reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import math
+import os
+import re
+import struct
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from .capsules import Capsule, CapsuleInfo, label_nbytes, validate_capsule_id
+from .checksum import checksum
+from .errors import ErrorCode, FlashRTError
+
+FILE_SUFFIX = ".capsule"
+MIN_KEY_BYTES = 16
+MAX_HEADER_BYTES = 16 << 10          # ids, a 256-byte label, a fingerprint: far below this
+CHUNK_BYTES = 16 << 20               # payload bytes read, hashed and copied per step (bounds the extra memory)
+_MAGIC = b"FLASHRT-CAPSULE\0"
+_VERSION = 2
+_PRELUDE = struct.Struct("<16sIQ")   # magic, version, header length
+_TAG_BYTES = 32
+_HEADER_DOMAIN = b"flashrt-capsule-header\0"
+_FILE_DOMAIN = b"flashrt-capsule-file\0"
+INFO_FIELDS = ("id", "parent", "label", "position", "nbytes", "checksum", "created")
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+# ---- names and keys ---------------------------------------------------------------------------------------
+
+def capsule_path(capsule_dir: str | Path, capsule_id: str) -> Path:
+    """The one naming rule: ``<capsule_dir>/<capsule_id>.capsule`` (the id is validated, so never a path)."""
+    return Path(capsule_dir) / f"{validate_capsule_id(capsule_id)}{FILE_SUFFIX}"
+
+
+def capsule_file_ids(capsule_dir: str | Path) -> list[str]:
+    """Ids of the capsule files in a directory, sorted; temporary files (names starting with '.') and names that
+    are not ``<valid id>.capsule`` are ignored."""
+    ids = []
+    for entry in Path(capsule_dir).iterdir():
+        stem = entry.name[:-len(FILE_SUFFIX)]
+        if entry.name.endswith(FILE_SUFFIX) and not entry.name.startswith(".") and entry.is_file():
+            try:
+                ids.append(validate_capsule_id(stem))
+            except FlashRTError:
+                continue
+    return sorted(ids)
+
+
+def prepare_capsule_dir(capsule_dir: str) -> Path:
+    """The configured capsule directory, created if missing; INVALID_ARGUMENT if it cannot be used."""
+    path = Path(capsule_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule_dir {capsule_dir!r} cannot be created: "
+                                                       f"{err.strerror or err}") from None
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule_dir {capsule_dir!r} is not readable and writable")
+    return path
+
+
+def load_key(key_file: str) -> bytes:
+    """The HMAC key: the file's bytes as they are (e.g. ``head -c 32 /dev/urandom > key``), at least
+    MIN_KEY_BYTES; INVALID_ARGUMENT if the file cannot be read or is too short."""
+    try:
+        key = Path(key_file).read_bytes()
+    except OSError as err:
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule_key_file {key_file!r} cannot be read: "
+                                                       f"{err.strerror or err}") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule_key_file {key_file!r} holds {len(key)} bytes; "
+                                                       f"a key needs at least {MIN_KEY_BYTES}")
+    return key
+
+
+# ---- writing ------------------------------------------------------------------------------------------------
+
+def _mac(key: bytes | None, domain: bytes):
+    mac = hmac.new(key, digestmod=hashlib.sha256) if key is not None else hashlib.sha256()
+    mac.update(domain)
+    return mac
+
+
+def _auth(key: bytes | None) -> str:
+    return "hmac-sha256" if key is not None else "sha256"
+
+
+def _payload_chunks(data: torch.Tensor) -> Iterator[memoryview]:
+    """The payload in CHUNK_BYTES pieces as host memory (a device tensor is staged through one host buffer)."""
+    if data.device.type == "cpu":
+        view = memoryview(data.numpy())
+        for start in range(0, len(view), CHUNK_BYTES):
+            yield view[start:start + CHUNK_BYTES]
+        return
+    staging = torch.empty(min(CHUNK_BYTES, data.numel()), dtype=torch.uint8)
+    view = memoryview(staging.numpy())
+    for start in range(0, data.numel(), CHUNK_BYTES):
+        piece = data[start:start + CHUNK_BYTES]
+        staging[:piece.numel()].copy_(piece)
+        yield view[:piece.numel()]
+
+
+def write_capsule_file(capsule: Capsule, path: str | Path, key: bytes | None = None) -> None:
+    """Write ``capsule`` (its full bytes) atomically: a '.'-named temporary file in the same folder, fsync, then
+    rename over ``path`` and fsync the folder. A crash at any point leaves ``path`` as it was (absent or the old
+    file). A capsule without a stored checksum gets one computed here."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"cannot write {path}: folder {path.parent} does not exist")
+    info = capsule.info
+    if not info.checksum:
+        info = dataclasses.replace(info, checksum=checksum(capsule.data))
+    if capsule.data.dtype != torch.uint8 or capsule.data.numel() != info.nbytes:
+        raise FlashRTError(ErrorCode.INTERNAL, f"capsule {info.id!r}: {capsule.data.numel()} bytes, info says "
+                                               f"{info.nbytes}")
+    header = json.dumps({"auth": _auth(key), "fingerprint": capsule.fingerprint,
+                         "info": {name: getattr(info, name) for name in INFO_FIELDS}}, sort_keys=True).encode()
+    prelude = _PRELUDE.pack(_MAGIC, _VERSION, len(header))
+    header_mac, file_mac = _mac(key, _HEADER_DOMAIN), _mac(key, _FILE_DOMAIN)
+    header_mac.update(prelude + header)
+    header_tag = header_mac.digest()
+    file_mac.update(prelude + header + header_tag)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(prelude + header + header_tag)
+            for chunk in _payload_chunks(capsule.data):
+                file_mac.update(chunk)
+                f.write(chunk)
+            f.write(file_mac.digest())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise FlashRTError(ErrorCode.FILE_ERROR, f"cannot write {path}: {err.strerror or err}") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- reading ------------------------------------------------------------------------------------------------
+
+def _corrupt(path: Path, why: str) -> FlashRTError:
+    return FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"{path.name}: refused capsule file ({why})")
+
+
+def _open(path: Path):
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise FlashRTError(ErrorCode.UNKNOWN_CAPSULE, f"no capsule file {path.name} in {path.parent}") from None
+    except OSError as err:
+        raise FlashRTError(ErrorCode.FILE_ERROR, f"cannot read {path}: {err.strerror or err}") from None
+
+
+def _read_exact(f, count: int, path: Path, what: str) -> bytes:
+    data = f.read(count)
+    if len(data) != count:
+        raise _corrupt(path, f"file ends inside its {what}")
+    return data
+
+
+def _peek_auth(header: bytes) -> str:
+    """The header's claimed ``auth``, for the refusal message only (the header failed its tag: untrusted)."""
+    try:
+        return str(json.loads(header).get("auth", ""))
+    except (ValueError, AttributeError):
+        return ""
+
+
+def _parse_header(header: bytes, path: Path, key: bytes | None) -> tuple[CapsuleInfo, str]:
+    def bad(why: str) -> FlashRTError:
+        return _corrupt(path, f"header: {why}")
+
+    try:
+        fields = json.loads(header)
+    except ValueError as err:
+        raise bad(f"not JSON ({err})") from None
+    if not isinstance(fields, dict) or set(fields) != {"auth", "fingerprint", "info"}:
+        raise bad("expected exactly the fields auth, fingerprint, info")
+    info, fingerprint = fields["info"], fields["fingerprint"]
+    if fields["auth"] != _auth(key):
+        raise bad(f"auth {fields['auth']!r}, expected {_auth(key)!r}")
+    if not isinstance(fingerprint, str) or not _HEX.fullmatch(fingerprint):
+        raise bad("fingerprint is not a hex string")
+    if not isinstance(info, dict) or set(info) != set(INFO_FIELDS):
+        raise bad(f"info needs exactly the fields {', '.join(INFO_FIELDS)}")
+    counts = [info["position"], info["nbytes"]]
+    if any(type(n) is not int or n < 0 for n in counts):
+        raise bad("position and nbytes must be non-negative integers")
+    if not all(isinstance(info[name], str) for name in ("id", "parent", "label", "checksum")):
+        raise bad("id, parent, label and checksum must be strings")
+    if not _HEX.fullmatch(info["checksum"]):
+        raise bad("checksum is not a hex string")
+    created = info["created"]
+    if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
+        raise bad("created must be a non-negative unix time")
+    validate_capsule_id(info["id"])
+    if info["parent"]:
+        validate_capsule_id(info["parent"])
+    label_nbytes(info["label"])
+    return CapsuleInfo(tier="disk", **info), fingerprint
+
+
+def _verified_header(f, path: Path, key: bytes | None):
+    """Read and authenticate the prelude and header of an open file; returns (info, fingerprint, the file MAC
+    fed with everything before the payload). Checks the file size against the header; reads nothing else."""
+    prelude = _read_exact(f, _PRELUDE.size, path, "prelude")
+    magic, version, header_len = _PRELUDE.unpack(prelude)
+    if magic != _MAGIC:
+        raise _corrupt(path, "not a flashrt capsule file")
+    if version == 1:
+        raise _corrupt(path, "format version 1 is unauthenticated (label, parent and created were outside a linear "
+                             "checksum): re-export the capsule from an engine of this version")
+    if version != _VERSION:
+        raise _corrupt(path, f"unknown format version {version}")
+    if header_len > MAX_HEADER_BYTES:
+        raise _corrupt(path, f"header of {header_len} bytes, more than {MAX_HEADER_BYTES}")
+    header = _read_exact(f, header_len, path, "header")
+    tag = _read_exact(f, _TAG_BYTES, path, "header tag")
+    header_mac = _mac(key, _HEADER_DOMAIN)
+    header_mac.update(prelude + header)
+    if not hmac.compare_digest(header_mac.digest(), tag):
+        claimed = _peek_auth(header)
+        if key is not None and claimed == "sha256":
+            why = "the file is not signed, and this engine requires files signed with its capsule key"
+        elif key is None and claimed == "hmac-sha256":
+            why = "the file is signed with a key and this engine has none configured (capsule_key_file)"
+        elif key is not None:
+            why = "its header does not authenticate with this engine's capsule key (signed with another key, or edited)"
+        else:
+            why = "its header does not match its digest (edited or damaged)"
+        raise _corrupt(path, why)
+    info, fingerprint = _parse_header(header, path, key)
+    expected = _PRELUDE.size + header_len + _TAG_BYTES + info.nbytes + _TAG_BYTES
+    size = os.fstat(f.fileno()).st_size
+    if size != expected:
+        raise _corrupt(path, f"{size} bytes, its header makes it {expected} (truncated or extended)")
+    file_mac = _mac(key, _FILE_DOMAIN)
+    file_mac.update(prelude + header + tag)
+    return info, fingerprint, file_mac
+
+
+def read_capsule_header(path: str | Path, key: bytes | None = None) -> tuple[CapsuleInfo, str]:
+    """The authenticated header of a capsule file, without reading its payload: (info with tier "disk",
+    fingerprint). Refuses as :func:`read_capsule_file` does up to the payload."""
+    path = Path(path)
+    with _open(path) as f:
+        info, fingerprint, _ = _verified_header(f, path, key)
+    return info, fingerprint
+
+
+def _fill(f, data: torch.Tensor, mac, path: Path) -> None:
+    """Read the payload into ``data`` chunk by chunk, feeding ``mac``; a device tensor through one host buffer."""
+    on_host = data.device.type == "cpu"
+    target = data if on_host else torch.empty(min(CHUNK_BYTES, data.numel()), dtype=torch.uint8)
+    view = memoryview(target.numpy())
+    for start in range(0, data.numel(), CHUNK_BYTES):
+        count = min(CHUNK_BYTES, data.numel() - start)
+        window = view[start:start + count] if on_host else view[:count]
+        done = 0
+        while done < count:
+            got = f.readinto(window[done:])
+            if not got:
+                raise _corrupt(path, "file ends inside its payload")
+            done += got
+        mac.update(window)
+        if not on_host:
+            data[start:start + count].copy_(target[:count])
+
+
+def read_capsule_file(path: str | Path, device: torch.device | str, *,
+                      expect: Callable[[CapsuleInfo, str], None], key: bytes | None = None) -> Capsule:
+    """Read, authenticate and check a capsule file into one tensor on ``device``.
+
+    ``expect(info, fingerprint)`` runs once the header is authenticated and the file size matches it, before
+    anything is allocated; it raises FlashRTError to refuse (an engine checks its fingerprint, the byte count of
+    ``info.position``, the id and its budget there). Any damage is CHECKSUM_MISMATCH with what was wrong."""
+    path = Path(path)
+    with _open(path) as f:
+        info, fingerprint, mac = _verified_header(f, path, key)
+        expect(info, fingerprint)
+        data = torch.empty(info.nbytes, dtype=torch.uint8, device=device)
+        _fill(f, data, mac, path)
+        if not hmac.compare_digest(mac.digest(), _read_exact(f, _TAG_BYTES, path, "file tag")):
+            raise _corrupt(path, "its payload does not match its digest")
+    if checksum(data) != info.checksum:
+        raise _corrupt(path, "its bytes do not match its device checksum")
+    return Capsule(dataclasses.replace(info, tier="device" if data.is_cuda else "host"), fingerprint, data)
