@@ -238,6 +238,12 @@ class FlashRTClient:
     def drop(self, capsule_id: str):
         return self.call("drop_capsule", capsule_id=capsule_id)
 
+    def export_capsule(self, capsule_id: str):
+        return self.call("export_capsule", capsule_id=capsule_id)
+
+    def import_capsule(self, capsule_id: str):
+        return self.call("import_capsule", capsule_id=capsule_id)
+
     def reset(self):
         return self.call("reset")
 

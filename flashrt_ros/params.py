@@ -42,6 +42,10 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
     ("capsule_budget_mb", 256, "memory all capsules together may use, MiB", (0, 1 << 22), None),
     ("capsule_budget_fraction", 0.0, "on integrated GPUs and the CPU, cap capsule_budget_mb at this share of "
      "MemAvailable at configure (0 = off)", (0.0, 1.0), None),
+    ("capsule_dir", "", "folder of capsule files <capsule_dir>/<capsule_id>.capsule for ~/export_capsule and "
+     "~/import_capsule; created at configure if missing (\"\" = capsule files disabled: NO_CAPSULE_DIR)", None, None),
+    ("capsule_key_file", "", "file whose bytes (at least 16) are the HMAC key that signs exported capsule files and "
+     "must sign imported ones (\"\" = unsigned SHA-256 files; a forged file is then not detectable)", None, None),
     ("history_depth", 32, "commit boundaries kept for rollback(steps=k)", (1, 1 << 16), None),
     ("seed", 0, "weights seed for presets and the sampler seed after reset", (0, 2**63 - 1), None),
     ("sampling.temperature", 0.0, "default sampling temperature (0 = greedy)", (0.0, 100.0), None),
@@ -145,7 +149,8 @@ def read_settings(node) -> NodeSettings:
             prefill_chunk=p["prefill_chunk"], cuda_graphs=p["cuda_graphs"], kernels=p["kernels"],
             capsule_budget_bytes=p["capsule_budget_mb"] << 20, history_depth=p["history_depth"], seed=p["seed"],
             weights_format=p["weights_format"], weights_exclude=quant.parse_patterns(p["weights_exclude"]),
-            capsule_budget_fraction=p["capsule_budget_fraction"]),
+            capsule_budget_fraction=p["capsule_budget_fraction"], capsule_dir=p["capsule_dir"],
+            capsule_key_file=p["capsule_key_file"]),
         discretiser=Discretiser(
             low=p["discretiser.low"], high=p["discretiser.high"], bins=p["discretiser.bins"],
             token_offset=p["discretiser.token_offset"], dims=p["discretiser.dims"],

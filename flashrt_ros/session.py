@@ -12,6 +12,7 @@ Contract::
         ...                      # are emitted; state operations may run here, between two steps
     session.generate(obs, override_sampling=..., ...)   # the ~/generate action's goal
     session.snapshot() / restore() / fork() / rollback() / drop() / reset() / resume() / cancel()
+    session.export_capsule() / import_capsule()   # <capsule_dir>/<capsule_id>.capsule
     session.list_capsules() / activate() / deactivate() / observation_lost(count)
 
 Each method is one row of :data:`flashrt_ros.operations.OPERATIONS`: its keyword arguments are the
@@ -458,6 +459,16 @@ class Session:
             return DropResult(freed)
         fields = {"capsule_id": capsule_id}
         return self._operation("drop", run, fields)
+
+    def export_capsule(self, capsule_id: str) -> CapsuleResult:
+        """Write a stored capsule to ``<capsule_dir>/<capsule_id>.capsule``."""
+        return self._operation("export", lambda: self._capsule(self.engine.export_capsule(capsule_id)),
+                               {"capsule_id": capsule_id})
+
+    def import_capsule(self, capsule_id: str) -> CapsuleResult:
+        """Read ``<capsule_dir>/<capsule_id>.capsule`` into the store (a client id: reserved prefixes refused)."""
+        return self._operation("import", lambda: self._capsule(self.engine.import_capsule(
+            validate_client_capsule_id(capsule_id))), {"capsule_id": capsule_id})
 
     def reset(self) -> Done:
         return self._operation("reset", lambda: self._replacing(lambda: self.engine.reset() or Done()), {})

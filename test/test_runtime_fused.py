@@ -8,6 +8,7 @@ The interpreter runs every program instance in Python, so these tests keep to sh
 import pytest
 import torch
 
+from capsule_helpers import plant_foreign_capsule
 from flashrt_ros.runtime import Engine, EngineConfig, FlashRTError, kernels
 from flashrt_ros.runtime.errors import ErrorCode
 from flashrt_ros.runtime.verify import prompt_tokens, verify
@@ -64,16 +65,15 @@ def test_capsules_are_byte_exact_and_continuations_token_identical_on_the_fused_
 
 
 @needs_triton
-def test_a_capsule_of_one_kernel_set_is_refused_by_the_other(fused, reference, tmp_path):
+def test_a_capsule_of_one_kernel_set_is_refused_by_the_other(fused, reference):
     fused.reset()
     fused.ingest(prompt_tokens(fused.vocab_size, 8, "cross"))
     fused.snapshot(capsule_id="from-fused")
-    fused.export_capsule("from-fused", tmp_path / "from-fused.capsule")
-    fused.drop("from-fused")
     reference.reset()
     reference.ingest(prompt_tokens(reference.vocab_size, 3, "live"))
     before = reference.live_bytes()
-    reference.import_capsule(tmp_path / "from-fused.capsule")
+    plant_foreign_capsule(reference, fused, "from-fused")
+    fused.drop("from-fused")
     with pytest.raises(FlashRTError) as err:
         reference.restore("from-fused")
     assert err.value.code == ErrorCode.FINGERPRINT_MISMATCH

@@ -11,11 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hf_checkpoints as hf
+from capsule_helpers import plant_foreign_capsule
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError
 from flashrt_ros.runtime import bench_quant, quant
 from flashrt_ros.runtime.kernels import quant_gemv as kq
 from flashrt_ros.runtime.kernels._triton import triton
 from flashrt_ros.runtime.verify import verify
+from kernel_checks import describe
 
 needs_triton = pytest.mark.skipif(triton is None, reason="triton is not importable")
 QUANTIZED = ("fp8", "nvfp4")
@@ -164,7 +166,7 @@ def test_triton_gemv_matches_its_reference(fmt, dtype, rows, n, k, poisoned_empt
     got, want = fast(x, *args), reference(x, *args)
     assert got.shape == (rows, n) and got.dtype == dtype and not got.isnan().any()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()))
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max())), describe(got, want)
 
 
 @needs_triton
@@ -351,17 +353,17 @@ def test_capsules_are_byte_exact_and_continuations_token_identical_in_every_form
 
 @pytest.mark.parametrize("source,target", [("dense", "fp8"), ("fp8", "nvfp4"), ("nvfp4", "dense")])
 def test_a_capsule_is_refused_by_an_engine_of_another_format(source, target, tmp_path):
-    a, b = tiny(weights_format=source), tiny(weights_format=target)
+    a, b = (tiny(weights_format=fmt, capsule_dir=str(tmp_path)) for fmt in (source, target))
     a.ingest(list(range(20)))
     a.snapshot("c1")
-    a.export_capsule("c1", tmp_path / "c1.capsule")
+    a.export_capsule("c1")
     b.ingest(list(range(5)))
     before = b.live_bytes()
-    b.import_capsule(tmp_path / "c1.capsule")
-    with pytest.raises(FlashRTError) as err:
-        b.restore("c1")
-    assert err.value.code == ErrorCode.FINGERPRINT_MISMATCH
-    assert torch.equal(b.live_bytes(), before) and b.position == 5
+    for call in (lambda: b.import_capsule("c1"), lambda: plant_foreign_capsule(b, a, "c1") or b.restore("c1")):
+        with pytest.raises(FlashRTError) as err:
+            call()
+        assert err.value.code == ErrorCode.FINGERPRINT_MISMATCH
+        assert torch.equal(b.live_bytes(), before) and b.position == 5
 
 
 def test_fidelity_figures_order_the_formats():
@@ -441,7 +443,7 @@ def test_the_cli_runs_a_quantized_engine_and_refuses_hf_comparison_of_one(capsys
 def test_gpu_quantized_engine_with_graphs_is_byte_exact_and_uses_the_fused_gemv(fmt):
     engine = Engine(EngineConfig(model="tiny", device="cuda", dtype="bfloat16", max_context=512,
                                  weights_format=fmt))
-    assert engine.weights_format == f"{fmt}/triton", engine.platform
+    assert engine.weights_format == f"{fmt}/triton", engine.platform.quant_kernels
     report = verify(engine, prefix_len=128, suffix_len=24, gen=32)
     assert report["byte_exact"] and report["token_identical"], report
 
@@ -456,4 +458,4 @@ def test_gpu_gemv_matches_its_reference_at_model_shapes(fmt, rows, n, k):
     weight = quant.QUANTIZERS[fmt](torch.randn(n, k, device="cuda", generator=g_) / k ** 0.5)
     fast = quant.QuantLinear(weight, use_triton=True)(x).float()
     want = quant.QuantLinear(weight, use_triton=False)(x).float()
-    assert torch.allclose(fast, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    assert torch.allclose(fast, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), describe(fast, want)

@@ -61,13 +61,14 @@ def test_reset_reseeds_to_the_configured_seed(engine):
     assert run(engine, 8, WARM) == sampled
 
 
-def test_rng_state_mid_stream_travels_in_a_capsule_file(engine, tmp_path):
+def test_rng_state_mid_stream_travels_in_a_capsule_file(tmp_path):
+    engine, fresh = (Engine(dataclasses.replace(CONFIG, capsule_dir=str(tmp_path))) for _ in range(2))
+    engine.ingest(PROMPT)
     run(engine, 4, WARM)
     engine.snapshot("mid")
     rest = run(engine, 8, WARM)
-    engine.export_capsule("mid", tmp_path / "mid.capsule")
-    fresh = Engine(CONFIG)
-    fresh.import_capsule(tmp_path / "mid.capsule")
+    engine.export_capsule("mid")
+    fresh.import_capsule("mid")
     fresh.restore("mid")
     assert run(fresh, 8, WARM) == rest
 

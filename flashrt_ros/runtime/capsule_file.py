@@ -77,8 +77,8 @@ def capsule_file_ids(capsule_dir: str | Path) -> list[str]:
 
 
 def prepare_capsule_dir(capsule_dir: str) -> Path:
-    """The configured capsule directory, created if missing; INVALID_ARGUMENT if it cannot be used."""
-    path = Path(capsule_dir)
+    """The configured capsule directory ('~' expanded), created if missing; INVALID_ARGUMENT if it cannot be used."""
+    path = Path(capsule_dir).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -90,10 +90,10 @@ def prepare_capsule_dir(capsule_dir: str) -> Path:
 
 
 def load_key(key_file: str) -> bytes:
-    """The HMAC key: the file's bytes as they are (e.g. ``head -c 32 /dev/urandom > key``), at least
-    MIN_KEY_BYTES; INVALID_ARGUMENT if the file cannot be read or is too short."""
+    """The HMAC key: the bytes of the file ('~' expanded) as they are (e.g. ``head -c 32 /dev/urandom > key``), at
+    least MIN_KEY_BYTES; INVALID_ARGUMENT if the file cannot be read or is too short."""
     try:
-        key = Path(key_file).read_bytes()
+        key = Path(key_file).expanduser().read_bytes()
     except OSError as err:
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule_key_file {key_file!r} cannot be read: "
                                                        f"{err.strerror or err}") from None
