@@ -38,7 +38,8 @@ def plain(value):
 def capsule_msg(info) -> CapsuleInfo:
     created_ns = int(info.created * 1e9)
     return CapsuleInfo(id=info.id, parent=info.parent, label=info.label, position=info.position,
-                       bytes=info.nbytes, tier=info.tier, checksum=info.checksum, created=ns_to_time(created_ns))
+                       bytes=info.nbytes, tier=info.tier, checksum=info.checksum, created=ns_to_time(created_ns),
+                       own_bytes=info.own_bytes, shared_bytes=info.shared_bytes, pinned=info.pinned)
 
 
 def token_chunk(out: TokenOutput, stamp: Time) -> TokenChunk:

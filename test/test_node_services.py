@@ -2,6 +2,7 @@
 answer with their error code and leave the live state and every capsule byte-identical."""
 import pytest
 import torch
+from capsule_helpers import flip_capsule_byte, plant_foreign_capsule
 from conftest import wait_for
 from std_srvs.srv import Trigger
 
@@ -58,7 +59,10 @@ def test_snapshot_list_restore_and_drop(fresh):
     assert auto.success and auto.capsule.id and auto.capsule.id != "cup"
     listing = client.call(ListCapsules, "list_capsules")
     assert [c.id for c in listing.capsules] == ["cup", auto.capsule.id]
-    assert listing.used_bytes == snap.capsule.bytes + auto.capsule.bytes
+    # the second capsule of the same live state shares its KV rows: only its fixed state is its own
+    assert auto.capsule.shared_bytes > 0 and auto.capsule.own_bytes + auto.capsule.shared_bytes == auto.capsule.bytes
+    assert listing.capsules[1].shared_bytes == auto.capsule.shared_bytes
+    assert listing.used_bytes == snap.capsule.bytes + auto.capsule.own_bytes + len("seen cup")
     assert listing.budget_bytes == 1 << 20 and listing.live_position == 24
     assert listing.live_parent == auto.capsule.id
 
@@ -69,7 +73,7 @@ def test_snapshot_list_restore_and_drop(fresh):
     assert engine_state(node)[0] == saved  # byte-exact
 
     drop = client.call(DropCapsule, "drop_capsule", capsule_id=auto.capsule.id)
-    assert drop.success and drop.freed_bytes == auto.capsule.bytes
+    assert drop.success and drop.freed_bytes == auto.capsule.own_bytes   # "cup" keeps the shared rows
     assert [c.id for c in client.call(ListCapsules, "list_capsules").capsules] == ["cup"]
 
 
@@ -99,20 +103,17 @@ def test_fork_rollback_and_reset(fresh):
 
 
 @pytest.fixture(scope="module")
-def foreign_capsule(tmp_path_factory):
-    """A capsule file from an engine with other weights (seed) than the node's."""
+def foreign_capsule():
+    """An engine with other weights (seed) than the node's, holding the capsule ``foreign``."""
     other = Engine(EngineConfig(model="tiny", max_context=512, seed=1))
     other.ingest(other.tokenizer.encode("elsewhere"))
     other.snapshot("foreign")
-    path = tmp_path_factory.mktemp("foreign") / "foreign.capsule"
-    other.export_capsule("foreign", path)
-    return path
+    return other
 
 
 def corrupt(session, capsule_id):
     """Flip a byte of a stored capsule (what bit rot in memory or on disk would do)."""
-    with torch.inference_mode():
-        session.engine.capsule_bytes(capsule_id)[-1] ^= 0xFF
+    flip_capsule_byte(session.engine, capsule_id, -1, 0xFF)
 
 
 REFUSALS = [
@@ -148,7 +149,7 @@ def test_refusal_answers_its_code_and_changes_nothing(fresh, events, foreign_cap
     client.call(Snapshot, "snapshot", capsule_id="base")
     client.call(Snapshot, "snapshot", capsule_id="bad")
     on_engine(node, lambda s: corrupt(s, "bad"))
-    on_engine(node, lambda s: s.engine.import_capsule(foreign_capsule))
+    on_engine(node, lambda s: plant_foreign_capsule(s.engine, foreign_capsule, "foreign"))
     if code == ErrorCode.BUDGET_EXCEEDED:
         observe(node, "x" * 400)
         while client.call(Snapshot, "snapshot").success:  # fill the 1 MiB budget

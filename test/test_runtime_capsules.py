@@ -1,8 +1,6 @@
 """Capsules: byte-exact snapshot/restore, fork, rollback, budget, files, and refusals that change nothing."""
 import dataclasses
-import json
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +9,10 @@ from hypothesis import strategies as st
 
 from flashrt_ros.runtime import (MAX_LABEL_BYTES, Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams,
                                  validate_capsule_id)
-from flashrt_ros.runtime.capsules import _HEADER
+from flashrt_ros.runtime.capsule_store import FIXED
 from flashrt_ros.runtime.checksum import checksum
+
+from capsule_helpers import flip_capsule_byte, plant_foreign_capsule
 
 CONFIG = EngineConfig(model="tiny", max_context=256, prefill_chunk=16, history_depth=8)
 PROMPT = list(b"capsules keep the whole state: ")          # 31 tokens: one full prefill chunk and a remainder
@@ -39,10 +39,7 @@ def dirty(engine: Engine) -> None:
     greedy(engine, 3)
 
 
-def corrupt(engine: Engine, capsule_id: str, index: int, mask: int = 0x01) -> None:
-    """Flip bits of one byte of a stored capsule in place (capsule tensors are inference tensors)."""
-    with torch.inference_mode():
-        engine.capsule_bytes(capsule_id)[index] ^= mask
+corrupt = flip_capsule_byte
 
 
 def assert_live_is(engine: Engine, capsule_id: str) -> None:
@@ -50,16 +47,6 @@ def assert_live_is(engine: Engine, capsule_id: str) -> None:
     assert engine.position == info.position
     assert torch.equal(engine.live_bytes(), engine.capsule_bytes(capsule_id))
     assert engine.live_checksum() == info.checksum
-
-
-def rewrite_header(src: Path, dst: Path, **info) -> None:
-    """Copy a capsule file with fields of its header's info changed; payload and payload checksum stay intact."""
-    blob = src.read_bytes()
-    magic, version, length = _HEADER.unpack_from(blob)
-    header = json.loads(blob[_HEADER.size:_HEADER.size + length])
-    header["info"].update(info)
-    encoded = json.dumps(header).encode()
-    dst.write_bytes(_HEADER.pack(magic, version, len(encoded)) + encoded + blob[_HEADER.size + length:])
 
 
 # ---- refusals change nothing ------------------------------------------------------------------------------
@@ -93,21 +80,18 @@ def refused(engine: Engine, code: ErrorCode):
 
 
 @pytest.fixture(scope="module")
-def foreign_capsule_file(tmp_path_factory):
-    """A valid capsule file of another model (same preset, other weights seed)."""
+def foreign_engine():
+    """An engine of another model (same preset, other weights seed) holding the capsule ``foreign``."""
     other = make_engine(seed=1)
     other.ingest(PROMPT)
     other.snapshot("foreign")
-    path = tmp_path_factory.mktemp("foreign") / "foreign.capsule"
-    other.export_capsule("foreign", path)
-    return path
+    return other
 
 
 @pytest.fixture
-def lineage(engine, foreign_capsule_file, tmp_path):
-    """An engine whose live state descends from `later` <- `base`, with a sibling fork `side`, a corrupted capsule,
-    a capsule of another model, and capsule files: a good one, damaged ones (flipped byte, truncated, header only)
-    and ones whose header lies (empty id, wrong position) over an intact payload."""
+def lineage(engine, foreign_engine, tmp_path):
+    """An engine whose live state descends from `later` <- `base`, with a sibling fork `side`, a corrupted capsule
+    and a capsule of another model (capsule files: test_capsule_file.py)."""
     engine.snapshot("base")
     greedy(engine, 2)
     engine.fork(capsule_id="corrupt")
@@ -115,19 +99,7 @@ def lineage(engine, foreign_capsule_file, tmp_path):
     engine.snapshot("later")
     engine.fork("base", "side")
     greedy(engine, 2)
-    engine.import_capsule(foreign_capsule_file)
-    good = tmp_path / "base.capsule"
-    engine.export_capsule("base", good)
-    blob = good.read_bytes()
-    flipped = bytearray(blob)
-    flipped[-7] ^= 0x01
-    (tmp_path / "flipped.capsule").write_bytes(bytes(flipped))
-    (tmp_path / "truncated.capsule").write_bytes(blob[:-1])
-    (tmp_path / "header-only.capsule").write_bytes(blob[:20])
-    rewrite_header(good, tmp_path / "empty-id.capsule", id="")
-    position = engine.capsule("base").position
-    rewrite_header(good, tmp_path / "larger.capsule", id="larger", position=position + 9)
-    rewrite_header(good, tmp_path / "smaller.capsule", id="smaller", position=position - 9)
+    plant_foreign_capsule(engine, foreign_engine, "foreign")
     return engine, tmp_path
 
 
@@ -174,19 +146,6 @@ REFUSALS = {
                                  lambda e, d: e.generate(3, SamplingParams(temperature=-0.5))),
     "generate-bad-top-p": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.generate(3, SamplingParams(1.0, 0, 0.0))),
     "reseed-negative": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.reseed(-1)),
-    "export-to-missing-folder": (ErrorCode.INVALID_ARGUMENT,
-                                 lambda e, d: e.export_capsule("base", d / "missing" / "base.capsule")),
-    "export-unknown": (ErrorCode.UNKNOWN_CAPSULE, lambda e, d: e.export_capsule("nope", d / "nope.capsule")),
-    "import-duplicate-id": (ErrorCode.DUPLICATE_CAPSULE_ID, lambda e, d: e.import_capsule(d / "base.capsule")),
-    "import-flipped-byte": (ErrorCode.CHECKSUM_MISMATCH, lambda e, d: e.import_capsule(d / "flipped.capsule")),
-    "import-truncated": (ErrorCode.CHECKSUM_MISMATCH, lambda e, d: e.import_capsule(d / "truncated.capsule")),
-    "import-header-only": (ErrorCode.CHECKSUM_MISMATCH, lambda e, d: e.import_capsule(d / "header-only.capsule")),
-    "import-empty-id": (ErrorCode.INVALID_CAPSULE_ID, lambda e, d: e.import_capsule(d / "empty-id.capsule")),
-    "import-tampered-position-larger": (ErrorCode.CHECKSUM_MISMATCH,
-                                        lambda e, d: e.import_capsule(d / "larger.capsule")),
-    "import-tampered-position-smaller": (ErrorCode.CHECKSUM_MISMATCH,
-                                         lambda e, d: e.import_capsule(d / "smaller.capsule")),
-    "import-missing-file": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.import_capsule(d / "absent.capsule")),
 }
 
 
@@ -201,12 +160,8 @@ def test_refusal_changes_nothing(lineage, name):
 
 
 def test_the_refusal_fixture_is_otherwise_healthy(lineage):
-    """The table's engine is healthy: the same kinds of calls with valid arguments succeed, and a file whose
-    header is rewritten with only a fresh id imports (so the header rewrites above break only what they change)."""
+    """The table's engine is healthy: the same kinds of calls with valid arguments succeed."""
     engine, folder = lineage
-    rewrite_header(folder / "base.capsule", folder / "renamed.capsule", id="renamed")
-    assert engine.import_capsule(folder / "renamed.capsule").position == engine.capsule("base").position
-    engine.restore("renamed", verify_checksum=True)
     engine.restore("later", verify_checksum=True)
     engine.rollback("base")
     engine.fork("base", "n1", switch=True)
@@ -291,9 +246,12 @@ def test_forks_of_one_capsule_continue_identically_and_independently(engine):
     engine.restore("b")
     assert engine.live_parent == "b"
     assert greedy(engine, 8) == from_a
-    corrupt(engine, "a", 0, 0xFF)                             # a fork owns its bytes
-    engine.restore("root", verify_checksum=True)
-    engine.restore("b", verify_checksum=True)
+    corrupt(engine, "a", 0, 0xFF)                             # forks share their blocks: each sees the damage
+    for capsule_id in ("root", "a", "b"):
+        with pytest.raises(FlashRTError) as err:
+            engine.restore(capsule_id, verify_checksum=True)
+        assert err.value.code == ErrorCode.CHECKSUM_MISMATCH
+    assert engine.capsule("a").shared_bytes == engine.capsule("a").nbytes
 
 
 def test_fork_of_live_and_switch(engine):
@@ -399,27 +357,26 @@ def test_rollback_by_steps_moves_the_lineage_back(engine):
 
 # ---- budget and drop ----------------------------------------------------------------------------------------
 
-def test_budget_refuses_what_does_not_fit_and_drop_frees_it(engine, tmp_path):
+def test_budget_counts_shared_blocks_once_refuses_what_does_not_fit_and_drop_frees_it(engine, tmp_path):
     size = engine.snapshot("probe").nbytes
-    tight = make_engine(capsule_budget_bytes=2 * size + size // 2)
+    fixed = engine.layout.fixed_bytes
+    tight = make_engine(capsule_budget_bytes=size + fixed + fixed // 2)
     tight.ingest(PROMPT)
     tight.snapshot("a")
-    tight.fork("a", "b")
-    assert tight.capsule_bytes_used == 2 * size
+    assert tight.fork("a", "b").shared_bytes == size         # a fork holds no bytes of its own
+    assert tight.capsule_bytes_used == size
+    assert tight.snapshot("c").own_bytes == fixed            # same live rows: only the fixed state is new
+    assert tight.capsule_bytes_used == size + fixed
     with refused(tight, ErrorCode.BUDGET_EXCEEDED):
-        tight.snapshot("c")
+        tight.snapshot("d")
     with refused(tight, ErrorCode.BUDGET_EXCEEDED):
-        tight.fork("a", "c")
-    with refused(tight, ErrorCode.BUDGET_EXCEEDED):
-        tight.fork(None, "c")
-    assert tight.drop("a") == size
+        tight.fork(None, "d")
+    assert tight.drop("a") == 0                             # b holds every block of a
+    assert tight.drop("b") == fixed                         # c still holds the KV rows
     assert tight.capsule_bytes_used == size
     with refused(tight, ErrorCode.UNKNOWN_CAPSULE):
         tight.restore("a")
-    assert tight.snapshot("c").nbytes == size
-    engine.export_capsule("probe", tmp_path / "probe.capsule")
-    with refused(tight, ErrorCode.BUDGET_EXCEEDED):
-        tight.import_capsule(tmp_path / "probe.capsule")
+    assert tight.snapshot("d").own_bytes == fixed
     assert tight.stats()["capsule_count"] == 2
 
 
@@ -441,32 +398,15 @@ def test_capsules_grow_with_the_context(engine):
 
 # ---- files --------------------------------------------------------------------------------------------------
 
-def test_export_import_round_trip_into_the_same_and_a_fresh_engine(engine, tmp_path):
-    info = engine.snapshot("s", label="to disk")
-    continuation = greedy(engine, 6)
-    path = tmp_path / "s.capsule"
-    engine.export_capsule("s", path)
-    assert [p.name for p in tmp_path.iterdir()] == ["s.capsule"], "no temporary files left behind"
-    original = engine.capsule_bytes("s").clone()
-    engine.drop("s")
-    assert engine.import_capsule(path) == info
-    assert torch.equal(engine.capsule_bytes("s"), original)
-    fresh = make_engine()
-    assert fresh.import_capsule(path) == info
-    for eng in (engine, fresh):
-        eng.restore("s", verify_checksum=True)
-        assert greedy(eng, 6) == continuation
-
-
 def test_capsule_without_stored_checksum_still_round_trips_through_a_file(tmp_path):
-    engine = make_engine(checksum_on_snapshot=False)
+    engine = make_engine(checksum_on_snapshot=False, capsule_dir=str(tmp_path))
     engine.ingest(PROMPT)
     assert engine.snapshot("s").checksum == ""
     with refused(engine, ErrorCode.INVALID_ARGUMENT):
         engine.restore("s", verify_checksum=True)
-    engine.export_capsule("s", tmp_path / "s.capsule")
+    engine.export_capsule("s")
     engine.drop("s")
-    imported = engine.import_capsule(tmp_path / "s.capsule")
+    imported = engine.import_capsule("s")
     assert imported.checksum == engine.live_checksum()
 
 
@@ -480,12 +420,15 @@ def test_corrupted_capsule_in_memory_is_caught_when_verified(engine):
 @pytest.mark.parametrize("other", [dict(seed=1), dict(max_context=128), dict(prefill_chunk=32)],
                          ids=["other-weights", "other-max-context", "other-prefill-chunk"])
 def test_capsule_of_another_engine_is_refused_on_restore(engine, tmp_path, other):
-    foreign = make_engine(**other)
+    foreign = make_engine(**other, capsule_dir=str(tmp_path))
     foreign.ingest(PROMPT)
     foreign.snapshot("f")
-    foreign.export_capsule("f", tmp_path / "f.capsule")
+    foreign.export_capsule("f")
     assert foreign.fingerprint != engine.fingerprint
-    engine.import_capsule(tmp_path / "f.capsule")
+    importer = make_engine(capsule_dir=str(tmp_path))
+    with refused(importer, ErrorCode.FINGERPRINT_MISMATCH):
+        importer.import_capsule("f")
+    plant_foreign_capsule(engine, foreign, "f")
     with refused(engine, ErrorCode.FINGERPRINT_MISMATCH):
         engine.restore("f")
 
@@ -516,7 +459,8 @@ def test_a_reused_id_does_not_rewire_the_lineage(engine):
 
 def test_a_refused_snapshot_does_not_use_up_an_automatic_id():
     sizes = make_engine().arena
-    engine = make_engine(capsule_budget_bytes=sizes.live_nbytes(10) + sizes.live_nbytes(210) - 1)
+    # the second snapshot shares the first one's 10 rows: it needs the fixed state and 200 rows
+    engine = make_engine(capsule_budget_bytes=sizes.live_nbytes(10) + sizes.live_nbytes(200) - 1)
     engine.ingest(list(range(10)))
     assert engine.snapshot().id == "c0001"
     engine.ingest(list(range(200)))
@@ -558,7 +502,7 @@ def test_labels_count_in_the_budget(engine):
     info = fitted.snapshot("a", label="é" * 10)
     assert fitted.capsule_bytes_used == info.nbytes + 20 == fitted.capsule_budget_bytes
     with refused(fitted, ErrorCode.BUDGET_EXCEEDED):
-        fitted.fork("a", "b")
+        fitted.fork("a", "b", label="x")             # a fork shares every block: only its label is new
 
 
 def test_dropping_the_restored_capsule_releases_its_bytes_and_keeps_rollback_working(engine):
@@ -567,9 +511,9 @@ def test_dropping_the_restored_capsule_releases_its_bytes_and_keeps_rollback_wor
     greedy(engine, 3)
     engine.restore("big")
     greedy(engine, 4)
-    data = engine.capsule_bytes("big")
+    fixed = engine.store.get("big").rows[FIXED][0][0]
     engine.drop("big")
-    assert not any(b.capsule is not None and b.capsule.data is data for b in engine._boundaries)
+    assert not any(b.fixed is fixed for b in engine._boundaries)
     assert engine.rollback(steps=3) == start + 1
     engine.snapshot("again")
     engine.restore("again")

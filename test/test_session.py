@@ -221,7 +221,8 @@ def test_urgent_labelled_observation_that_cannot_keep_both_capsules_changes_noth
     probe = Engine(EngineConfig(model="tiny", max_context=256))
     prompt, urgent = probe.tokenizer.encode("hello robot"), probe.tokenizer.encode("STOP")
     at = len(prompt) + 3
-    budget = probe.arena.live_nbytes(at) + probe.arena.live_nbytes(at + len(urgent)) - 1
+    # the label capsule shares the interrupted one's rows: it adds the fixed state and len(urgent) rows
+    budget = probe.arena.live_nbytes(at) + probe.arena.live_nbytes(len(urgent)) - 1
     engine = Engine(EngineConfig(model="tiny", max_context=256, capsule_budget_bytes=budget))
     session = make_session(engine, outputs)
     running = session.observe(ObservationInput(token_ids=prompt, max_new_tokens=20))

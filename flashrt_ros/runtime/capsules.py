@@ -1,17 +1,11 @@
-"""Capsules (immutable copies of the live state) and the budgeted store that holds them, plus the file format."""
+"""Capsules (immutable copies of the live state) and the budgeted store that holds them (files: capsule_file.py)."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
-import struct
-import tempfile
-from pathlib import Path
 
 import torch
 
-from .checksum import checksum
 from .errors import ErrorCode, FlashRTError
 
 MAX_ID_CHARS = 64
@@ -22,9 +16,6 @@ _ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,%d}" % MAX_ID_CHARS)
 # Explicit ids of the generated form move the numbering on (a bag replay names them); beyond 9 digits they do not,
 # so a generated id stays short (at most 1 + 10 characters) whatever a client chose.
 _AUTO_ID = re.compile(r"c(\d{4,9})")
-_FILE_MAGIC = b"FLASHRT-CAPSULE\0"
-_FILE_VERSION = 1
-_HEADER = struct.Struct("<16sIQ")  # magic, version, header length
 
 
 def validate_capsule_id(capsule_id: str) -> str:
@@ -61,10 +52,13 @@ class CapsuleInfo:
     parent: str
     label: str
     position: int
-    nbytes: int
-    tier: str          # device | host
+    nbytes: int        # the full capsule (what a restore writes, what a file holds)
+    tier: str          # device | host | disk
     checksum: str
     created: float     # unix time
+    own_bytes: int = 0       # held by this capsule alone (capsule_store.DeltaStore fills these in)
+    shared_bytes: int = 0    # held in blocks other capsules hold too (counted once in the budget)
+    pinned: bool = False     # never evicted off the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +117,13 @@ class CapsuleStore:
                 ErrorCode.BUDGET_EXCEEDED,
                 f"capsule of {nbytes} B does not fit: {self.used_bytes} of {self.budget_bytes} B in use")
 
+    def added_bytes(self, capsule: Capsule) -> int:
+        """The payload bytes storing this capsule adds (a store that shares bytes counts less)."""
+        return capsule.info.nbytes
+
     def add(self, capsule: Capsule, lineage_parent: str) -> None:
         """Store a capsule; ``lineage_parent`` is a stored capsule it descends from, or ""."""
-        self.check_room(capsule.info.nbytes, capsule.info.label)
+        self.check_room(self.added_bytes(capsule), capsule.info.label)
         self._capsules[capsule.info.id] = capsule
         self._parents[capsule.info.id] = lineage_parent if lineage_parent in self._capsules else ""
         numbered = _AUTO_ID.fullmatch(capsule.info.id)
@@ -153,57 +151,3 @@ class CapsuleStore:
             capsule_id = self._parents[capsule_id]
         return chain
 
-
-def write_capsule_file(capsule: Capsule, path: Path) -> None:
-    """Atomic: written to a temporary file in the same folder, then renamed over ``path``."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"cannot write {path}: folder {path.parent} does not exist")
-    info = capsule.info if capsule.info.checksum else dataclasses.replace(capsule.info, checksum=checksum(capsule.data))
-    header = json.dumps({"info": dataclasses.asdict(info), "fingerprint": capsule.fingerprint}).encode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_HEADER.pack(_FILE_MAGIC, _FILE_VERSION, len(header)))
-            f.write(header)
-            f.write(capsule.data.cpu().numpy().tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def read_capsule_file(path: Path, device: torch.device) -> Capsule:
-    """Parse and verify a capsule file; any damage is reported as CHECKSUM_MISMATCH with what was wrong."""
-    def corrupt(why: str) -> FlashRTError:
-        return FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"{path}: corrupted capsule file ({why})")
-
-    path = Path(path)
-    if not path.is_file():
-        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule file {path} does not exist")
-    blob = path.read_bytes()
-    if len(blob) < _HEADER.size:
-        raise corrupt("shorter than its header")
-    magic, version, header_len = _HEADER.unpack_from(blob)
-    if magic != _FILE_MAGIC or version != _FILE_VERSION:
-        raise corrupt("not a flashrt capsule file, or an unknown version")
-    try:
-        header = json.loads(blob[_HEADER.size:_HEADER.size + header_len])
-        info = CapsuleInfo(**header["info"])
-        fingerprint = header["fingerprint"]
-        types = {"id": str, "parent": str, "label": str, "position": int, "nbytes": int, "tier": str,
-                 "checksum": str, "created": (int, float)}
-        wrong = [name for name, kind in types.items() if not isinstance(getattr(info, name), kind)]
-        if wrong or not isinstance(fingerprint, str):
-            raise TypeError(f"fields of the wrong type: {wrong or ['fingerprint']}")
-    except (ValueError, KeyError, TypeError) as err:
-        raise corrupt(f"unreadable header: {err}") from None
-    payload = blob[_HEADER.size + header_len:]
-    if len(payload) != info.nbytes:
-        raise corrupt(f"{len(payload)} payload bytes, header says {info.nbytes}")
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    if checksum(data) != info.checksum:
-        raise corrupt("checksum does not match its bytes")
-    return Capsule(dataclasses.replace(info, tier="device" if data.is_cuda else "host"), fingerprint, data)

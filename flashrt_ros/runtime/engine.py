@@ -17,9 +17,10 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from . import capsules as capsule_io
+from . import capsule_file as capsule_io
 from .arena import RNG_COUNTER, RNG_SEED, Arena, buffer_specs
-from .capsules import Capsule, CapsuleInfo, CapsuleStore
+from .capsule_store import FIXED, Block, DeltaStore, Layout, LiveRows, StoredCapsule, rows_of_full
+from .capsules import CapsuleInfo
 from .checksum import checksum
 from .config import PRESETS
 from .errors import ErrorCode, FlashRTError
@@ -54,6 +55,8 @@ class EngineConfig:
     history_depth: int = 32
     checksum_on_snapshot: bool = True
     seed: int = 0
+    capsule_dir: str = ""               # export/import folder, <capsule_dir>/<id>.capsule ("" = none)
+    capsule_key_file: str = ""          # HMAC key that signs and checks capsule files ("" = unsigned files)
 
     def validate(self) -> "EngineConfig":
         def bad(why):
@@ -80,10 +83,10 @@ class EngineConfig:
 @dataclasses.dataclass(frozen=True)
 class _Boundary:
     """A commit boundary kept for rollback: its position and where its fixed-size state is, either a history slot
-    (arena layout) or the capsule it was restored from (no copy needed)."""
+    (arena layout) or the fixed block of the capsule it was restored from (no copy needed)."""
     position: int
     slot: int | None = None
-    capsule: Capsule | None = None
+    fixed: Block | None = None
 
 
 def _pieces(count: int, chunk: int) -> list[int]:
@@ -107,6 +110,8 @@ class Engine:
     @torch.no_grad()
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = cfg = config.validate()
+        self.capsule_dir = capsule_io.prepare_capsule_dir(cfg.capsule_dir) if cfg.capsule_dir else None
+        self._capsule_key = capsule_io.load_key(cfg.capsule_key_file) if cfg.capsule_key_file else None
         self.device = torch.device(cfg.device)
         dtype = _DTYPES[cfg.dtype]
         folder = None if cfg.model in PRESETS else Path(cfg.model)
@@ -133,8 +138,11 @@ class Engine:
         self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET), dtype=torch.int64, device=self.device)
         self._count = torch.ones((), dtype=torch.int64, device=self.device)  # real tokens of a small piece
         self.fingerprint = self._compute_fingerprint(dtype)
-        self.store = CapsuleStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
-                                                                self.platform, platform.mem_available_bytes()))
+        self.layout = Layout.of(self.arena)
+        self.store = DeltaStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
+                                                              self.platform, platform.mem_available_bytes()),
+                                self.layout)
+        self._live_rows = LiveRows(self.layout.row_bytes)     # which stored blocks the live KV rows equal
         self._fixed_span = self.arena.specs["kv"].offset
         self._history = torch.zeros(cfg.history_depth, self._fixed_span, dtype=torch.uint8, device=self.device)
         self._boundaries: deque[_Boundary] = deque()          # oldest first
@@ -264,13 +272,14 @@ class Engine:
         self._history[slot].copy_(self.arena.storage[:self._fixed_span], non_blocking=True)
         self._boundaries.append(_Boundary(position, slot=slot))
 
-    def _restart_history(self, capsule: Capsule | None = None) -> None:
-        """After the live state was replaced: the only boundary is now, backed by ``capsule`` if it holds it."""
+    def _restart_history(self, fixed: Block | None = None) -> None:
+        """After the live state was replaced: the only boundary is now, backed by the capsule block ``fixed`` if it
+        holds the live fixed-size state."""
         self._boundaries.clear()
-        if capsule is None:
+        if fixed is None:
             self._push_boundary(self.position)
         else:
-            self._boundaries.append(_Boundary(capsule.info.position, capsule=capsule))
+            self._boundaries.append(_Boundary(self.position, fixed=fixed))
 
     # ---- stream ------------------------------------------------------------------------------------------
     def _check_tokens(self, token_ids: Iterable[int], position: int) -> list[int]:
@@ -309,6 +318,7 @@ class Engine:
         start = self.position                      # one read of the arena (a device sync on CUDA)
         ids = self._check_tokens(token_ids, start)
         if ids:
+            self._live_rows.truncate(start)
             self._feed(start, ids)
             self._push_boundary(start + len(ids))
             self._last_ingest_s = time.perf_counter() - started
@@ -336,6 +346,7 @@ class Engine:
                 self.sampler.configure(params)
                 self._sampling = params
             kv_len = self._kv_bucket(position + 1)
+            self._live_rows.truncate(position)
             self.graphs.run(("decode", params.greedy, kv_len), self._decode_step(params.greedy, kv_len))
             token = int(self._tokens[0])
             self._push_boundary(position + 1)
@@ -365,6 +376,7 @@ class Engine:
         self.arena.storage.zero_()
         self.arena["meta"][RNG_SEED] = self.config.seed
         self.live_parent = ""
+        self._live_rows.clear()
         self._restart_history()
 
     @torch.inference_mode()
@@ -380,16 +392,56 @@ class Engine:
         self.arena.read_live(position, data)
         return data
 
+    def _plan_rows(self, position: int) -> dict[str, tuple]:
+        """Per KV buffer: the stored segments the live rows share, and the row from which they must be copied."""
+        plan = {}
+        for name in self.layout.row_bytes:
+            shared = self._live_rows.shareable(name, position, self.store.blocks)
+            plan[name] = (shared, shared[-1][2] if shared else 0)
+        return plan
+
+    def _plan_bytes(self, plan: dict[str, tuple], position: int) -> int:
+        return self.layout.fixed_bytes + sum((position - start) * self.layout.row_bytes[name]
+                                             for name, (_, start) in plan.items())
+
+    def _take_rows(self, plan: dict[str, tuple], position: int) -> dict[str, tuple]:
+        """The live state as segments: a copy of the fixed state, shared rows, and copies of the rows after them."""
+        fixed = torch.empty(self.layout.fixed_bytes, dtype=torch.uint8, device=self.device)
+        self.arena.read_live(0, fixed)
+        rows = {FIXED: ((Block(0, fixed.numel(), fixed), 0, 1),)}
+        for name, (shared, start) in plan.items():
+            spec, fresh = self.arena.specs[name], ()
+            if position > start:
+                data = self.arena.storage[spec.offset + start * spec.row_bytes:
+                                          spec.offset + position * spec.row_bytes].clone()
+                fresh = ((Block(start, spec.row_bytes, data), start, position),)
+            rows[name] = shared + fresh
+        return rows
+
+    def _write_rows(self, name: str, segments: tuple, start: int) -> None:
+        """Copy the capsule rows from ``start`` on into the live KV buffer ``name``."""
+        spec = self.arena.specs[name]
+        for block, lo, hi in segments:
+            lo = max(lo, start)
+            if lo < hi:
+                src = block.data[(lo - block.start) * spec.row_bytes:(hi - block.start) * spec.row_bytes]
+                self.arena.storage[spec.offset + lo * spec.row_bytes:
+                                   spec.offset + hi * spec.row_bytes].copy_(src, non_blocking=True)
+
     def _new_capsule(self, capsule_id: str | None, label: str, parent: str) -> CapsuleInfo:
         new_id = self.store.new_id(capsule_id, label)
         position = self.position
-        self.store.check_room(self.arena.live_nbytes(position), label)
-        data = self._copy_live(position)
-        info = CapsuleInfo(id=new_id, parent=parent, label=label, position=position, nbytes=data.numel(),
-                           tier="device" if data.is_cuda else "host",
-                           checksum=checksum(data) if self.config.checksum_on_snapshot else "", created=time.time())
-        self.store.add(Capsule(info, self.fingerprint, data), lineage_parent=parent)
-        return info
+        plan = self._plan_rows(position)
+        self.store.check_room(self._plan_bytes(plan, position), label)
+        rows = self._take_rows(plan, position)
+        info = CapsuleInfo(id=new_id, parent=parent, label=label, position=position,
+                           nbytes=self.layout.nbytes(position), tier="device" if self.device.type == "cuda" else "host",
+                           checksum=self.live_checksum() if self.config.checksum_on_snapshot else "",
+                           created=time.time())
+        self.store.add_rows(info, self.fingerprint, rows, lineage_parent=parent)
+        for name in self.layout.row_bytes:
+            self._live_rows.set(name, rows[name], position)
+        return self.store.info(new_id)
 
     @torch.inference_mode()
     def snapshot(self, capsule_id: str | None = None, label: str = "") -> CapsuleInfo:
@@ -397,38 +449,46 @@ class Engine:
         self.live_parent = info.id
         return info
 
-    def _restorable(self, capsule_id: str, verify_checksum: bool) -> Capsule:
+    def _restorable(self, capsule_id: str, verify_checksum: bool) -> StoredCapsule:
         capsule = self.store.get(capsule_id)
         if capsule.fingerprint != self.fingerprint:
             raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
                                f"capsule {capsule_id!r} was taken from another model, config or plan "
                                f"(fingerprint {capsule.fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
-        self._check_size(capsule, f"capsule {capsule_id!r}")
+        self._check_size(capsule.info, f"capsule {capsule_id!r}")
         if verify_checksum:
             if not capsule.info.checksum:
                 raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule {capsule_id!r} has no stored checksum")
-            if checksum(capsule.data) != capsule.info.checksum:
+            if checksum(self.store.materialise(capsule_id)) != capsule.info.checksum:
                 raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"capsule {capsule_id!r} is corrupted: its bytes "
                                                                 f"no longer match its checksum")
         return capsule
 
-    def _check_size(self, capsule: Capsule, what: str) -> None:
+    def _check_size(self, info: CapsuleInfo, what: str) -> None:
         """A header whose position does not match the payload would leave stale KV rows live: refuse it."""
-        if capsule.info.nbytes != self.arena.live_nbytes(capsule.info.position):
+        if info.position > self.max_context or info.nbytes != self.arena.live_nbytes(info.position):
             raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"{what}: corrupted (its size does not match its "
-                                                            f"position {capsule.info.position})")
+                                                            f"position {info.position})")
 
-    def _load(self, capsule: Capsule, kv_only: bool = False) -> None:
-        self.arena.write_live(capsule.info.position, capsule.data, names=("meta", "kv") if kv_only else None)
+    def _load(self, capsule: StoredCapsule, kv_only: bool = False) -> None:
+        """Make the capsule live: its fixed state, and only the KV rows the live arena does not already hold."""
+        position, fixed = capsule.info.position, capsule.rows[FIXED][0][0]
+        self.arena.write_live(0, fixed.data, names=("meta",) if kv_only else None)
+        for name in ("kv",) if kv_only else self.layout.row_bytes:
+            segments = capsule.rows[name]
+            self._write_rows(name, segments, self._live_rows.common(name, segments))
+            self._live_rows.set(name, segments, position)
+        self._live_rows.truncate(position)
         self.live_parent = capsule.info.id
-        self._restart_history(None if kv_only else capsule)
+        self.store.touch(capsule.info.id)
+        self._restart_history(None if kv_only else fixed)
 
     @torch.inference_mode()
     def restore(self, capsule_id: str, verify_checksum: bool = False, kv_only: bool = False) -> CapsuleInfo:
         """Make the capsule the live state. ``kv_only`` restores only KV and metadata (an ablation: it diverges)."""
         capsule = self._restorable(capsule_id, verify_checksum)
         self._load(capsule, kv_only)
-        return capsule.info
+        return self.store.info(capsule_id)
 
     @torch.inference_mode()
     def fork(self, source_id: str | None = None, capsule_id: str | None = None, label: str = "",
@@ -441,12 +501,12 @@ class Engine:
             return info
         source = self._restorable(source_id, verify_checksum=False)
         new_id = self.store.new_id(capsule_id, label)
-        self.store.check_room(source.info.nbytes, label)
         info = dataclasses.replace(source.info, id=new_id, parent=source_id, label=label, created=time.time())
-        self.store.add(Capsule(info, source.fingerprint, source.data.clone()), lineage_parent=source_id)
+        self.store.add_rows(info, source.fingerprint, dict(source.rows), lineage_parent=source_id)  # all shared
+        self.store.touch(source_id)
         if switch:
             self._load(self.store.get(new_id))
-        return info
+        return self.store.info(new_id)
 
     @torch.inference_mode()
     def rollback(self, capsule_id: str | None = None, steps: int | None = None) -> int:
@@ -469,28 +529,33 @@ class Engine:
             self._boundaries.pop()
         target = self._boundaries[-1]
         position = target.position
-        if target.capsule is not None:
-            self.arena.write_live(position, target.capsule.data, names=self.arena.fixed_names)
+        if target.fixed is not None:
+            self.arena.write_live(0, target.fixed.data)
         else:
             self.arena.storage[:self._fixed_span].copy_(self._history[target.slot])
             self._next_slot = (target.slot + 1) % self.config.history_depth
+        self._live_rows.truncate(position)
         self.live_parent = next((a for a in self.store.ancestors(self.live_parent)
                                  if self.store.get(a).info.position <= position), "")
         return position
 
     def check_capsule_room(self, *positions: int, label: str = "") -> None:
         """Raise BUDGET_EXCEEDED unless capsules of the live state at all these positions (default: now) fit,
-        the last one labelled ``label``."""
-        self.store.check_room(sum(self.arena.live_nbytes(p) for p in (positions or (self.position,))), label)
+        the last one labelled ``label``. Each capsule after the first shares the rows of the one before it."""
+        first, *later = sorted(positions or (self.position,))
+        need = self._plan_bytes(self._plan_rows(first), first)
+        for before, position in zip([first, *later], later):
+            need += self._plan_bytes({name: ((), before) for name in self.layout.row_bytes}, position)
+        self.store.check_room(need, label)
 
     def drop(self, capsule_id: str) -> int:
         """Free a capsule. The live state and other capsules then descend from its nearest stored ancestor."""
-        capsule = self.store.get(capsule_id)
+        fixed = self.store.get(capsule_id).rows[FIXED][0][0]
         freed, parent = self.store.drop(capsule_id)
         if self.live_parent == capsule_id:
             self.live_parent = parent
-        if self._boundaries and self._boundaries[0].capsule is capsule:
-            # the oldest rollback boundary still points at these bytes: release them too
+        if self._boundaries and self._boundaries[0].fixed is fixed and fixed.id not in self.store.blocks:
+            # the oldest rollback boundary still points at these freed bytes: release them too
             if len(self._boundaries) == 1:
                 self._restart_history()       # the live state is that boundary: keep it as a copy
             else:
@@ -498,7 +563,7 @@ class Engine:
         return freed
 
     def capsule(self, capsule_id: str) -> CapsuleInfo:
-        return self.store.get(capsule_id).info
+        return self.store.info(capsule_id)
 
     def capsules(self) -> list[CapsuleInfo]:
         return self.store.infos()
@@ -513,22 +578,50 @@ class Engine:
         return self._copy_live(self.position)
 
     def capsule_bytes(self, capsule_id: str) -> torch.Tensor:
-        return self.store.get(capsule_id).data
+        """A capsule's full bytes in capsule layout (a copy: its shared rows included)."""
+        return self.store.materialise(capsule_id)
 
     # ---- files -------------------------------------------------------------------------------------------
-    def export_capsule(self, capsule_id: str, path: str | Path) -> None:
-        capsule_io.write_capsule_file(self.store.get(capsule_id), Path(path))
+    def capsule_file(self, capsule_id: str) -> Path:
+        """``<capsule_dir>/<capsule_id>.capsule``; NO_CAPSULE_DIR when no capsule directory is configured."""
+        if self.capsule_dir is None:
+            raise FlashRTError(ErrorCode.NO_CAPSULE_DIR, "capsule files are disabled: the capsule_dir parameter is "
+                                                         "empty")
+        return capsule_io.capsule_path(self.capsule_dir, capsule_id)
+
+    def export_capsule(self, capsule_id: str) -> CapsuleInfo:
+        """Write a stored capsule to :meth:`capsule_file` (atomic; signed when a key is configured). A file of that
+        id that exists already is kept (DUPLICATE_CAPSULE_ID): remove it first to export again."""
+        path = self.capsule_file(capsule_id)
+        info = self.store.info(capsule_id)
+        if path.exists():
+            raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"{path.name} already exists in the capsule "
+                                                               f"directory (remove it to export {capsule_id!r} again)")
+        capsule_io.write_capsule_file(self.store.full_capsule(capsule_id), path, key=self._capsule_key)
+        return info
+
+    def _check_import(self, capsule_id: str, info: CapsuleInfo, fingerprint: str) -> None:
+        """What a capsule file must be to enter the store, checked before its payload is read."""
+        if info.id != capsule_id:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"{capsule_id}.capsule holds capsule {info.id!r} "
+                                                           f"(a renamed file): name it {info.id}.capsule")
+        if fingerprint != self.fingerprint:
+            raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
+                               f"capsule file {capsule_id!r} was taken from another model, config or plan "
+                               f"(fingerprint {fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
+        self._check_size(info, f"capsule file {capsule_id!r}")
+        self.store.new_id(capsule_id, info.label)
+        self.store.check_room(info.nbytes, info.label)
 
     @torch.inference_mode()
-    def import_capsule(self, path: str | Path) -> CapsuleInfo:
-        """Read a capsule file into the store (its id must be free). Restore checks its fingerprint."""
-        capsule = capsule_io.read_capsule_file(Path(path), self.device)
-        if capsule.fingerprint == self.fingerprint:   # another model's layout cannot be checked here
-            self._check_size(capsule, f"capsule file {path}")
-        capsule_io.validate_capsule_id(capsule.info.id)
-        self.store.new_id(capsule.info.id, capsule.info.label)
-        self.store.add(capsule, lineage_parent="")   # its recorded parent belongs to another session
-        return capsule.info
+    def import_capsule(self, capsule_id: str) -> CapsuleInfo:
+        """Read :meth:`capsule_file` into the store: same fingerprint, free id, within the budget; its recorded
+        parent belongs to another session, so it starts a lineage of its own."""
+        capsule = capsule_io.read_capsule_file(self.capsule_file(capsule_id), self.device, key=self._capsule_key,
+                                               expect=lambda info, fp: self._check_import(capsule_id, info, fp))
+        rows = rows_of_full(self.layout, capsule.data, capsule.info.position)
+        self.store.add_rows(capsule.info, capsule.fingerprint, rows, lineage_parent="")
+        return self.store.info(capsule_id)
 
     # ---- identity ----------------------------------------------------------------------------------------
     def _compute_fingerprint(self, dtype: torch.dtype) -> str:

@@ -1,0 +1,221 @@
+"""Delta capsules: a capsule's bytes as shared, immutable row blocks, and what the live arena holds of them.
+
+KV caches are append-only and position-major, so a capsule taken after its lineage parent repeats the parent's rows
+[0, p). A capsule here is therefore a list of *segments* per buffer: (block, lo, hi) = rows [lo, hi) of an immutable
+block, in row order, covering [0, position). The fixed-size state (meta, hidden, conv, recurrent) is one more buffer
+of one row. Blocks are reference-counted: dropping a capsule frees only the blocks no other capsule holds, and the
+budget counts every block once, so it is exactly the bytes held.
+
+:class:`LiveRows` records, per KV buffer, which blocks the live arena's rows [0, valid) equal (by block identity, so
+nothing is kept alive by it): a snapshot shares those rows instead of copying them, and a restore copies only rows
+where the live arena and the capsule are backed by different blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from .arena import Arena
+from .capsules import Capsule, CapsuleInfo, CapsuleStore, label_nbytes
+from .errors import ErrorCode, FlashRTError
+
+FIXED = "fixed"          # the pseudo-buffer of the fixed-size state: one row of Layout.fixed_bytes
+_block_ids = itertools.count(1)
+
+
+@dataclasses.dataclass(eq=False)
+class Block:
+    """Rows [start, start + rows) of one buffer; never written after it is made."""
+    start: int
+    row_bytes: int
+    data: torch.Tensor       # uint8, rows * row_bytes
+    id: int = dataclasses.field(default_factory=lambda: next(_block_ids))
+    refs: int = 0            # segments of stored capsules that hold it
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+Segment = tuple[Block, int, int]          # block, first row, end row (absolute positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The capsule byte layout of an arena: the fixed-size state, then each KV buffer's rows [0, position)."""
+    fixed_bytes: int
+    row_bytes: dict[str, int]              # KV buffers in capsule order
+
+    @classmethod
+    def of(cls, arena: Arena) -> "Layout":
+        specs = list(arena.specs.values())
+        kinds = [s.per_token for s in specs]
+        if kinds != sorted(kinds):
+            raise ValueError("the capsule layout needs every fixed-size buffer before the KV buffers")
+        return cls(arena.live_nbytes(0), {s.name: s.row_bytes for s in specs if s.per_token})
+
+    def nbytes(self, position: int) -> int:
+        return self.fixed_bytes + position * sum(self.row_bytes.values())
+
+
+def segment_bytes(segment: Segment) -> torch.Tensor:
+    block, lo, hi = segment
+    return block.data[(lo - block.start) * block.row_bytes:(hi - block.start) * block.row_bytes]
+
+
+@dataclasses.dataclass(eq=False)
+class StoredCapsule:
+    """A stored capsule: its info and, on the device tier, its segments per buffer (FIXED first)."""
+    info: CapsuleInfo
+    fingerprint: str
+    rows: dict[str, tuple[Segment, ...]]
+    pinned: bool = False
+    last_used: int = 0
+
+
+class LiveRows:
+    """Per KV buffer: the blocks whose rows the live arena holds, as (block id, lo, hi), equal up to ``valid``."""
+
+    def __init__(self, names):
+        self._names = tuple(names)
+        self.clear()
+
+    def clear(self) -> None:
+        self._rows: dict[str, tuple[tuple[int, int, int], ...]] = {n: () for n in self._names}
+        self._valid = dict.fromkeys(self._names, 0)
+
+    def set(self, name: str, segments: tuple[Segment, ...], valid: int) -> None:
+        self._rows[name] = tuple((b.id, lo, hi) for b, lo, hi in segments)
+        self._valid[name] = valid
+
+    def truncate(self, position: int) -> None:
+        """Rows from ``position`` on are no longer known (rollback; new tokens are written there next)."""
+        for name in self._names:
+            self._valid[name] = min(self._valid[name], position)
+
+    def common(self, name: str, segments: tuple[Segment, ...]) -> int:
+        """How many leading rows of ``segments`` the live arena already holds (same blocks, same rows)."""
+        live, done, i, j = self._rows[name], 0, 0, 0
+        while i < len(live) and j < len(segments) and live[i][0] == segments[j][0].id:
+            done = min(live[i][2], segments[j][2])
+            i += live[i][2] == done
+            j += segments[j][2] == done
+        return min(done, self._valid[name])
+
+    def shareable(self, name: str, limit: int, blocks: dict[int, Block]) -> tuple[Segment, ...]:
+        """The live rows [0, q <= limit) still backed by stored blocks, as segments (q as large as possible)."""
+        limit = min(limit, self._valid[name])
+        out = []
+        for bid, lo, hi in self._rows[name]:
+            block = blocks.get(bid)
+            if block is None or lo >= limit:
+                break
+            out.append((block, lo, min(hi, limit)))
+        return tuple(out)
+
+
+class DeltaStore(CapsuleStore):
+    """The capsule store over shared blocks: ids, lineage and the budget as in :class:`CapsuleStore`, bytes counted
+    once per block. Values are :class:`StoredCapsule`."""
+
+    def __init__(self, budget_bytes: int, layout: Layout):
+        super().__init__(budget_bytes)
+        self.layout = layout
+        self._blocks: dict[int, Block] = {}     # every block some stored capsule holds, by id
+        self._clock = itertools.count(1)
+
+    @property
+    def blocks(self) -> dict[int, Block]:
+        return self._blocks
+
+    @property
+    def used_bytes(self) -> int:
+        """Every held block once, plus every capsule's label."""
+        return (sum(b.nbytes for b in self._blocks.values())
+                + sum(label_nbytes(c.info.label) for c in self._capsules.values()))
+
+    def added_bytes(self, capsule: StoredCapsule) -> int:
+        """The blocks of this capsule not held yet."""
+        fresh = {b.id: b for segs in capsule.rows.values() for b, _, _ in segs if b.id not in self._blocks}
+        return sum(b.nbytes for b in fresh.values())
+
+    def add_rows(self, info: CapsuleInfo, fingerprint: str, rows: dict[str, tuple[Segment, ...]],
+                 lineage_parent: str, pinned: bool = False) -> StoredCapsule:
+        stored = StoredCapsule(info, fingerprint, rows, pinned, next(self._clock))
+        self.add(stored, lineage_parent)
+        for segs in rows.values():
+            for block, _, _ in segs:
+                block.refs += 1
+                self._blocks[block.id] = block
+        return stored
+
+    def check_room(self, nbytes: int, label: str = "") -> None:
+        nbytes += label_nbytes(label)
+        if self.used_bytes + nbytes > self.budget_bytes:
+            raise FlashRTError(
+                ErrorCode.BUDGET_EXCEEDED,
+                f"capsule of {nbytes} new bytes does not fit: {self.used_bytes} of {self.budget_bytes} B in use")
+
+    def drop(self, capsule_id: str) -> tuple[int, str]:
+        """Remove a capsule; returns the bytes freed (its blocks no other capsule holds) and its nearest stored
+        ancestor."""
+        stored = self.get(capsule_id)
+        before = self.used_bytes
+        _, parent = super().drop(capsule_id)
+        for segs in stored.rows.values():
+            for block, _, _ in segs:
+                block.refs -= 1
+                if not block.refs:
+                    del self._blocks[block.id]
+        return before - self.used_bytes, parent
+
+    def touch(self, capsule_id: str) -> None:
+        self.get(capsule_id).last_used = next(self._clock)
+
+    def split_bytes(self, stored: StoredCapsule) -> tuple[int, int]:
+        """(own, shared): its bytes in blocks only it holds, and in blocks other capsules hold too."""
+        own = shared = 0
+        for segs in stored.rows.values():
+            for segment in segs:
+                nbytes = segment_bytes(segment).numel()
+                if segment[0].refs > 1:
+                    shared += nbytes
+                else:
+                    own += nbytes
+        return own, shared
+
+    def info(self, capsule_id: str) -> CapsuleInfo:
+        stored = self.get(capsule_id)
+        own, shared = self.split_bytes(stored)
+        return dataclasses.replace(stored.info, own_bytes=own, shared_bytes=shared, pinned=stored.pinned)
+
+    def infos(self) -> list[CapsuleInfo]:
+        return [self.info(capsule_id) for capsule_id in self._capsules]
+
+    def materialise(self, capsule_id: str) -> torch.Tensor:
+        """The capsule's full bytes in capsule layout (a new tensor)."""
+        stored = self.get(capsule_id)
+        parts = [segment_bytes(s) for segs in stored.rows.values() for s in segs]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+    def full_capsule(self, capsule_id: str) -> Capsule:
+        stored = self.get(capsule_id)
+        return Capsule(stored.info, stored.fingerprint, self.materialise(capsule_id))
+
+
+def rows_of_full(layout: Layout, data: torch.Tensor, position: int) -> dict[str, tuple[Segment, ...]]:
+    """Fresh blocks (copies, one per buffer) holding a full capsule's bytes ``data``."""
+    rows = {FIXED: ((Block(0, layout.fixed_bytes, data[:layout.fixed_bytes].clone()), 0, 1),)}
+    offset = layout.fixed_bytes
+    for name, row_size in layout.row_bytes.items():
+        length = position * row_size
+        rows[name] = ((Block(0, row_size, data[offset:offset + length].clone()), 0, position),) if position else ()
+        offset += length
+    return rows
+
+
+def opaque_rows(data: torch.Tensor) -> dict[str, tuple[Segment, ...]]:
+    """A capsule of another engine (its layout unknown here): one block, kept whole; it never restores."""
+    return {FIXED: ((Block(0, data.numel(), data.clone()), 0, 1),)}

@@ -1,0 +1,205 @@
+"""The delta capsule store against a naive full-copy model, driven by random operation sequences (hypothesis).
+
+The model keeps a whole arena (uint8) and every capsule as a full copy of the live bytes, and applies each operation
+the plain way: a restore writes the capsule's every live byte, a rollback writes the boundary's fixed state back.
+Ingest and generate run on a twin engine loaded with the model's arena, so the model's arena after them is what
+the computation gives from the model's state. After every step the engine's whole arena equals the model's, every
+capsule's bytes equal the model's copy, and the budget's used bytes are exactly the distinct blocks held plus the
+labels.
+"""
+import dataclasses
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
+from flashrt_ros.runtime.capsules import label_nbytes
+
+CONFIG = EngineConfig(model="tiny", max_context=160, prefill_chunk=16, history_depth=6,
+                      capsule_budget_bytes=64 << 20)
+IDS = ("a", "b", "c", "d", "e", "f")
+_ENGINES: dict[str, Engine] = {}
+
+
+def engines(folder) -> tuple[Engine, Engine]:
+    """The engine under test (capsule files in ``folder``) and its twin, built once: construction dominates a tiny
+    engine's cost."""
+    if not _ENGINES:
+        _ENGINES["engine"] = Engine(dataclasses.replace(CONFIG, capsule_dir=str(folder)))
+        _ENGINES["twin"] = Engine(CONFIG)
+    return _ENGINES["engine"], _ENGINES["twin"]
+
+
+def held_bytes(engine: Engine) -> int:
+    """What the store really holds: each distinct block once, plus every capsule's label."""
+    blocks = {}
+    for info in engine.capsules():
+        for segments in engine.store.get(info.id).rows.values():
+            blocks.update({block.id: block.data.numel() for block, _, _ in segments})
+    return sum(blocks.values()) + sum(label_nbytes(c.label) for c in engine.capsules())
+
+
+class CapsuleStoreMachine(RuleBasedStateMachine):
+    @initialize()
+    def start(self):
+        self.engine, self.twin = engines(self.folder)
+        for info in self.engine.capsules():
+            self.engine.drop(info.id)
+        self.engine.reset()
+        self.arena = self.engine.arena.storage.clone()
+        self.capsules: dict[str, torch.Tensor] = {}
+        self.boundaries = [self.fixed()]
+        self.fixed_span = self.engine.arena.specs["kv"].offset
+
+    # ---- the model ---------------------------------------------------------------------------------------
+    def fixed(self) -> torch.Tensor:
+        return self.arena[:self.engine.arena.specs["kv"].offset].clone()
+
+    def position(self) -> int:
+        return int(self.arena[:8].view(torch.int64)[0])
+
+    def live(self) -> torch.Tensor:
+        out = torch.empty(self.engine.arena.live_nbytes(self.position()), dtype=torch.uint8)
+        for arena_off, capsule_off, length in self.engine.arena.segments(self.position()):
+            out[capsule_off:capsule_off + length] = self.arena[arena_off:arena_off + length]
+        return out
+
+    def load(self, data: torch.Tensor, position: int, names=None) -> None:
+        for arena_off, capsule_off, length in self.engine.arena.segments(position, names):
+            self.arena[arena_off:arena_off + length] = data[capsule_off:capsule_off + length]
+
+    def push(self) -> None:
+        self.boundaries = (self.boundaries + [self.fixed()])[-CONFIG.history_depth:]
+
+    def on_twin(self, operation):
+        """Run ``operation`` on the twin from the model's arena; the model's arena becomes the twin's."""
+        self.twin.arena.storage.copy_(self.arena)
+        result = operation(self.twin)
+        self.arena = self.twin.arena.storage.clone()
+        return result
+
+    def free_id(self, data) -> str:
+        return data.draw(st.sampled_from([i for i in IDS if i not in self.capsules]))
+
+    def some_id(self, data) -> str:
+        return data.draw(st.sampled_from(sorted(self.capsules)))
+
+    # ---- rules -------------------------------------------------------------------------------------------
+    @rule(tokens=st.lists(st.integers(0, 511), min_size=1, max_size=40))
+    def ingest(self, tokens):
+        if self.position() + len(tokens) > CONFIG.max_context:
+            return
+        self.engine.ingest(tokens)
+        self.on_twin(lambda twin: twin.ingest(tokens))
+        self.push()
+
+    @precondition(lambda self: 0 < self.position() < CONFIG.max_context - 6)
+    @rule(count=st.integers(1, 5), temperature=st.sampled_from([0.0, 0.8]))
+    def generate(self, count, temperature):
+        sampling = SamplingParams(temperature=temperature)
+        tokens = list(self.engine.generate(count, sampling, stop_token_ids=[]))
+        assert tokens == self.on_twin(lambda twin: list(twin.generate(count, sampling, stop_token_ids=[])))
+        for _ in tokens:
+            self.push()
+
+    @precondition(lambda self: len(self.capsules) < len(IDS))
+    @rule(data=st.data(), label=st.sampled_from(["", "root", "é" * 5]))
+    def snapshot(self, data, label):
+        capsule_id = self.free_id(data)
+        self.engine.snapshot(capsule_id, label=label)
+        self.capsules[capsule_id] = self.live()
+
+    @precondition(lambda self: self.capsules and len(self.capsules) < len(IDS))
+    @rule(data=st.data(), switch=st.booleans(), of_live=st.booleans())
+    def fork(self, data, switch, of_live):
+        source, capsule_id = (None if of_live else self.some_id(data)), self.free_id(data)
+        self.engine.fork(source, capsule_id, switch=switch)
+        self.capsules[capsule_id] = self.live() if source is None else self.capsules[source].clone()
+        if switch and source is not None:
+            self.load(self.capsules[capsule_id], self.engine.capsule(capsule_id).position)
+            self.boundaries = [self.fixed()]
+
+    @precondition(lambda self: self.capsules)
+    @rule(data=st.data(), kv_only=st.booleans())
+    def restore(self, data, kv_only):
+        capsule_id = self.some_id(data)
+        info = self.engine.restore(capsule_id, kv_only=kv_only)
+        self.load(self.capsules[capsule_id], info.position, ("meta", "kv") if kv_only else None)
+        self.boundaries = [self.fixed()]
+
+    @rule(steps=st.integers(1, 4))
+    def rollback_steps(self, steps):
+        del self.boundaries[:len(self.boundaries) - len(self.engine._boundaries)]   # drops trim the oldest
+        try:
+            self.engine.rollback(steps=steps)
+        except FlashRTError as err:
+            assert err.code == ErrorCode.NO_HISTORY and steps >= len(self.boundaries)
+            return
+        del self.boundaries[len(self.boundaries) - steps:]
+        self.arena[:self.fixed_span] = self.boundaries[-1]
+
+    @precondition(lambda self: self.engine.live_parent)
+    @rule(data=st.data())
+    def rollback_to_ancestor(self, data):
+        capsule_id = data.draw(st.sampled_from(self.engine.store.ancestors(self.engine.live_parent)))
+        self.engine.rollback(capsule_id=capsule_id)
+        self.load(self.capsules[capsule_id], self.engine.capsule(capsule_id).position)
+        self.boundaries = [self.fixed()]
+
+    @precondition(lambda self: self.capsules)
+    @rule(data=st.data())
+    def drop(self, data):
+        capsule_id = self.some_id(data)
+        info = self.engine.capsule(capsule_id)
+        # at least what it holds alone (a block it holds only part of is freed whole)
+        assert self.engine.drop(capsule_id) >= info.own_bytes + label_nbytes(info.label)
+        del self.capsules[capsule_id]
+
+    @precondition(lambda self: self.capsules)
+    @rule(data=st.data())
+    def export_drop_import(self, data):
+        capsule_id = self.some_id(data)
+        self.engine.export_capsule(capsule_id)
+        self.engine.drop(capsule_id)
+        assert self.engine.import_capsule(capsule_id).id == capsule_id
+        self.engine.capsule_file(capsule_id).unlink()
+
+    @rule()
+    def reset(self):
+        self.engine.reset()
+        self.on_twin(lambda twin: twin.reset())
+        self.boundaries = [self.fixed()]
+
+    @rule(seed=st.integers(0, 2 ** 20))
+    def reseed(self, seed):
+        self.engine.reseed(seed)
+        self.on_twin(lambda twin: twin.reseed(seed))
+        self.boundaries = [self.fixed()]
+
+    # ---- what must hold after every step -----------------------------------------------------------------
+    @invariant()
+    def arena_matches_the_model(self):
+        assert torch.equal(self.engine.arena.storage, self.arena), "live arena differs from the full-copy model"
+
+    @invariant()
+    def capsules_match_the_model(self):
+        assert sorted(c.id for c in self.engine.capsules()) == sorted(self.capsules)
+        for info in self.engine.capsules():
+            assert torch.equal(self.engine.capsule_bytes(info.id), self.capsules[info.id]), info.id
+            assert info.own_bytes + info.shared_bytes == info.nbytes == self.capsules[info.id].numel()
+
+    @invariant()
+    def budget_is_exact(self):
+        assert self.engine.capsule_bytes_used == held_bytes(self.engine) <= self.engine.capsule_budget_bytes
+
+
+CapsuleStoreMachine.TestCase.settings = settings(
+    max_examples=25, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def test_capsule_store_matches_the_full_copy_model(tmp_path):
+    CapsuleStoreMachine.folder = tmp_path
+    CapsuleStoreMachine.TestCase("runTest").runTest()
