@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capsule_helpers import flip_capsule_byte
-from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError
+from flashrt_ros.runtime import Engine, ErrorCode, FlashRTError
 from flashrt_ros.runtime import capsule_file
+from flashrt_ros.runtime import checksum as checksum_module
 from flashrt_ros.runtime.checksum import checksum
 from test_runtime_capsules import CONFIG, PROMPT, greedy, refused
 
@@ -204,6 +205,30 @@ def test_random_multi_word_edits_change_the_checksum(data, edits):
     assert torch.equal(edited, original) or checksum(edited) != checksum(original)
 
 
+def reference_checksum(data: bytes) -> str:
+    """checksum.py's definition in Python integers (pins the wrapping int64 arithmetic of the torch path)."""
+    mask, m, length = (1 << 64) - 1, checksum_module, len(data)
+    data += bytes(-length % 4)
+    s1 = s2 = 0
+    for i in range(len(data) // 4):
+        z = (i * m._GOLDEN + int.from_bytes(data[4 * i:4 * i + 4], "little")) & mask
+        z ^= z >> 30
+        z = (z * m._MIX1) & mask
+        z ^= z >> 27
+        z = (z * m._MIX2) & mask
+        z ^= z >> 31
+        s1, s2 = s1 + z, s2 + (((z ^ (z >> 32)) * m._MIX3) & mask)
+    return f"{s1 & mask:016x}{(s2 + length) & mask:016x}"
+
+
+@pytest.mark.parametrize("size", [0, 1, 6, 64, 1001])
+def test_the_checksum_is_its_definition_in_any_number_of_chunks(size, monkeypatch):
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+    assert checksum(data) == reference_checksum(bytes(data.tolist()))
+    monkeypatch.setattr(checksum_module, "_CHUNK_WORDS", 5)
+    assert checksum(data) == checksum_module.checksum_torch(data)
+
+
 def test_the_checksum_covers_the_length():
     data = torch.tensor([1, 2, 3], dtype=torch.uint8)
     assert checksum(data) != checksum(torch.tensor([1, 2, 3, 0], dtype=torch.uint8))
@@ -317,6 +342,21 @@ def test_a_header_whose_size_lies_is_refused_before_reading_the_payload(engine, 
         lying = {**header, "info": {**header["info"], **info}}
         path.write_bytes(assemble(lying, payload[:lying["info"]["nbytes"]]))
         refused_file(engine, "s", says=says)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_capsule_round_trips_through_the_host_staging_buffer(tmp_path, monkeypatch):
+    monkeypatch.setattr(capsule_file, "CHUNK_BYTES", 4096 + 3)      # many chunks and a partial last one
+    engine, fresh = (make_engine(tmp_path, device="cuda", dtype="bfloat16") for _ in range(2))
+    engine.ingest(PROMPT)
+    engine.snapshot("s")
+    continuation = greedy(engine, 6)
+    engine.export_capsule("s")
+    assert fresh.import_capsule("s").tier == "device"
+    assert torch.equal(fresh.capsule_bytes("s").cpu(), engine.capsule_bytes("s").cpu())
+    fresh.restore("s", verify_checksum=True)
+    assert greedy(fresh, 6) == continuation
 
 
 RSS_SCRIPT = textwrap.dedent("""

@@ -5,11 +5,10 @@ import pytest
 from conftest import TINY_PARAMS, RosClient, running_node, wait_for
 from lifecycle_msgs.msg import State, Transition
 from rclpy.parameter import Parameter
-from std_srvs.srv import Trigger
 from test_node_lifecycle import lifecycle_state, transition
-from test_node_services import engine_state, observe, on_engine
+from test_node_services import engine_state, events, fresh, observe, on_engine  # noqa: F401 - fixtures
 
-from flashrt_ros.msg import ErrorCode, StateEvent
+from flashrt_ros.msg import ErrorCode
 from flashrt_ros.runtime import capsule_file
 from flashrt_ros.session import ObservationInput
 from flashrt_ros.srv import DropCapsule, ExportCapsule, ImportCapsule, ListCapsules, Restore, Snapshot
@@ -33,31 +32,20 @@ def node_and_client(ros_context, folders):
         client.close()
 
 
-@pytest.fixture(scope="module")
-def events(node_and_client):
-    node, client = node_and_client
-    received = client.subscribe(StateEvent, "events")
-    wait_for(lambda: node.count_subscribers(f"{node.get_fully_qualified_name()}/events") > 0, what="subscription")
-    return received
-
-
 @pytest.fixture
-def fresh(node_and_client, folders):
-    node, client = node_and_client
-    assert client.call(Trigger, "reset").success
-    for capsule in client.call(ListCapsules, "list_capsules").capsules:
-        assert client.call(DropCapsule, "drop_capsule", capsule_id=capsule.id).success
+def clean(fresh, folders):
+    """An empty context without capsules, and an empty capsule folder."""
     for path in folders[0].iterdir():
         path.unlink()
-    return node, client
+    return fresh
 
 
 def last_event(events, op):
     return wait_for(lambda: [e for e in events if e.op == op], what=f"a {op!r} event")[-1]
 
 
-def test_export_then_import_after_a_reconfigure_continues_token_identically(fresh, folders, events):
-    node, client = fresh
+def test_export_then_import_after_a_reconfigure_continues_token_identically(clean, folders, events):
+    node, client = clean
     folder, _ = folders
     observe(node, "The cup is on the table.")
     snap = client.call(Snapshot, "snapshot", capsule_id="cup", label="seen cup")
@@ -107,8 +95,8 @@ REFUSALS = [
 
 
 @pytest.mark.parametrize("name,srv,fields,code", REFUSALS, ids=[r[0] for r in REFUSALS])
-def test_refusal_answers_its_code_and_changes_nothing(fresh, folders, events, name, srv, fields, code):
-    node, client = fresh
+def test_refusal_answers_its_code_and_changes_nothing(clean, folders, events, name, srv, fields, code):
+    node, client = clean
     folder, _ = folders
     observe(node, "the base")
     client.call(Snapshot, "snapshot", capsule_id="base")
