@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
-# Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | profile)
+# Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tests | quant | profile)
+# Every phase keeps its whole log under $OUT (the device tool returns only the output's tail).
 # The wheels in .whl (transformers 5.24.0, fla-core 0.6.0: what the machine lacks) are installed first.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -10,15 +11,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 git_commit=${GIT_COMMIT:-unknown}; echo "commit $git_commit" | tee -a "$OUT/gpu.txt"
 bench() {  # preset contexts repeats
-  python3 -m flashrt_ros.runtime bench --model "$1" --device cuda --dtype bfloat16 --contexts "$2" --repeats "$3" \
-      --decode-tokens 64 --compare-hf --profile --out "$OUT/bench_$1.json" 2>&1 | grep -v -i warn | tail -8
+  timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.runtime bench --model "$1" --device cuda --dtype bfloat16 --contexts "$2" --repeats "$3" \
+      --decode-tokens 64 --compare-hf --profile --out "$OUT/bench_$1.json" > "$OUT/bench_$1.log" 2>&1
+  echo "bench $1 rc=$?"; grep -v -i warn "$OUT/bench_$1.log" | tail -8
 }
 for phase in "$@"; do
   echo "===== $phase"
   case "$phase" in
     check)
-      timeout 420 python3 -m pytest -q -x -p no:cacheprovider -m gpu test/test_runtime_gpu.py test/test_kernels_*.py \
-          2>&1 | tail -25
+      timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/test_runtime_gpu.py \
+          test/test_kernels_*.py > "$OUT/check_pytest.log" 2>&1; echo "pytest rc=$?"
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/check_pytest.log" | tail -25
       for kernels in triton reference; do
         python3 -m flashrt_ros.runtime verify --model qwen3.5-0.8b --device cuda --dtype bfloat16 --kernels $kernels \
             --prefix-len 2048 --suffix-len 24 --gen 32 --kv-only > "$OUT/verify_0.8b_$kernels.json"; echo "verify rc=$?"
@@ -26,7 +29,20 @@ for phase in "$@"; do
       done
       ;;
     bench-0.8b) bench qwen3.5-0.8b 2048,8192,16384 20 ;;
-    bench-27b) bench qwen3.6-27b 2048,8192,16384 10 ;;
+    bench-27b) bench qwen3.6-27b 2048,8192,16384 5 ;;
+    quant-tests)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/test_runtime_quant.py \
+          > "$OUT/quant_pytest.log" 2>&1; echo "pytest rc=$?"
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/quant_pytest.log" | tail -15
+      ;;
+    quant)
+      for preset in ${QUANT_PRESETS:-qwen3.5-0.8b qwen3.6-27b}; do
+        timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.runtime bench-quant --model $preset --device cuda --dtype bfloat16 \
+            --formats dense,fp8,nvfp4 --context 2048 --decode-tokens 64 --prefill-tokens 2048 --fidelity-tokens 32 \
+            --repeats 3 --out "$OUT/bench_quant_$preset.json" > "$OUT/bench_quant_$preset.log" 2>&1
+        echo "bench-quant $preset rc=$?"; grep -v -i warn "$OUT/bench_quant_$preset.log" | tail -12
+      done
+      ;;
     profile) python3 bench/profile_step.py qwen3.5-0.8b 2048 2>&1 | tail -60 ;;
   esac
 done
