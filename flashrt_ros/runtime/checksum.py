@@ -3,10 +3,12 @@
 For in-memory integrity only (bit rot, a stray write, a bug that edits a stored capsule): it is NOT cryptographic,
 and someone who may choose the bytes can find collisions. Files are authenticated by capsule_file.py instead.
 
-Each int32 word w_i (as an unsigned 32-bit value) and its index i are mixed into h_i = fmix64(i * G + w_i) (the
-SplitMix64 finaliser, a bijection of 64-bit values), and the checksum is the 128-bit pair
+Each int32 word w_i (sign-extended) and its index i are mixed into a pseudo-random 64-bit value
 
-    (sum of h_i, sum of g(h_i) + byte length) mod 2**64,    g(h) = (h ^ (h >> 32)) * M
+    h_i = xs29(xs32((i * G + w_i) * M1) * M2),    xs_k(z) = z ^ (z >> k) (logical shift), M1, M2 odd
+
+(multiply-xorshift rounds as in SplitMix64/Murmur3; each step is a bijection of 64-bit values), and the checksum
+is the 128-bit pair (sum of h_i, sum of h_i**2 + byte length) mod 2**64.
 
 Unlike a linear sum (sum of c_i * w_i), whose edits cancel when the attacker solves one linear equation per sum
 (3 chosen words suffice), an edit of any number of words changes the sums by differences of pseudo-random 64-bit
@@ -22,22 +24,18 @@ _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-_MIX3 = 0xD6E8FEB86659FD93
 
 _CUDA_SOURCE = r"""
-__device__ __forceinline__ unsigned long long fmix(unsigned long long z) {
-    z ^= z >> 30; z *= 0xBF58476D1CE4E5B9ULL;
-    z ^= z >> 27; z *= 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-extern "C" __global__ void flashrt_checksum(const unsigned int* words, unsigned long long n,
-                                            unsigned long long* out) {
+extern "C" __global__ void flashrt_checksum(const int* words, unsigned long long n, unsigned long long* out) {
     unsigned long long s1 = 0, s2 = 0;
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
-        unsigned long long h = fmix(i * 0x9E3779B97F4A7C15ULL + (unsigned long long)words[i]);
+        unsigned long long h = (i * 0x9E3779B97F4A7C15ULL + (unsigned long long)(long long)words[i])
+                               * 0xBF58476D1CE4E5B9ULL;
+        h = (h ^ (h >> 32)) * 0x94D049BB133111EBULL;
+        h ^= h >> 29;
         s1 += h;
-        s2 += (h ^ (h >> 32)) * 0xD6E8FEB86659FD93ULL;
+        s2 += h * h;
     }
     for (int offset = 16; offset > 0; offset >>= 1) {
         s1 += __shfl_down_sync(0xffffffffu, s1, offset);
@@ -60,20 +58,15 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 values seen as uint64 (torch's >> is arithmetic)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
+def _xorshift_(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """z ^= z >> bits in place, the shift logical on int64 values seen as uint64 (torch's >> is arithmetic)."""
+    return z.bitwise_xor_((z >> bits).bitwise_and_((1 << (64 - bits)) - 1))
 
 
 def _mix(words: torch.Tensor, start: int) -> torch.Tensor:
     z = torch.arange(start, start + words.numel(), dtype=torch.int64, device=words.device)
-    z.mul_(_signed(_GOLDEN)).add_(words.to(torch.int64) & 0xFFFFFFFF)
-    z ^= _shr(z, 30)
-    z.mul_(_signed(_MIX1))
-    z ^= _shr(z, 27)
-    z.mul_(_signed(_MIX2))
-    z ^= _shr(z, 31)
-    return z
+    z.mul_(_signed(_GOLDEN)).add_(words).mul_(_signed(_MIX1))
+    return _xorshift_(_xorshift_(z, 32).mul_(_signed(_MIX2)), 29)
 
 
 def _format(s1: int, s2: int, nbytes: int) -> str:
@@ -87,14 +80,14 @@ def checksum_torch(data: torch.Tensor) -> str:
     for start in range(0, words.numel(), _CHUNK_WORDS):
         h = _mix(words[start:start + _CHUNK_WORDS], start)
         s1 += h.sum()
-        s2 += ((h ^ _shr(h, 32)).mul_(_signed(_MIX3))).sum()
+        s2 += h.square_().sum()
     return _format(int(s1), int(s2), data.numel())
 
 
 def checksum_cupy(data: torch.Tensor) -> str:
     """One fused pass on the GPU (grid-stride loop, warp reduction, two atomics): no int64 temporaries."""
     with cupy.cuda.ExternalStream(torch.cuda.current_stream(data.device).cuda_stream):
-        words = cupy.from_dlpack(_as_words(data)).view(cupy.uint32)
+        words = cupy.from_dlpack(_as_words(data))
         out = cupy.zeros(2, dtype=cupy.uint64)
         blocks = max(1, min(-(-words.size // 256), 4096))
         _cupy_kernel((blocks,), (256,), (words, cupy.uint64(words.size), out))
