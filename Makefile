@@ -3,7 +3,8 @@
 #   make test       env + pytest
 #   make demo       env + the scripted demo against a local tiny-model node
 #   make bench-cpu  env + the runtime benchmark on the CPU with the tiny model
-#   make lock       regenerate requirements/constraints.txt in a scratch venv
+#   make test-jazzy ROS 2 Jazzy on CPython 3.12 (the robot's pair): own venv, interfaces, the tests without torch
+#   make lock       regenerate requirements/constraints.txt in a scratch venv (lock-jazzy: the Jazzy lock)
 # Every target that can touch DDS runs with discovery on loopback and a random ROS_DOMAIN_ID.
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -13,6 +14,14 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
 REQS := requirements/runtime.txt requirements/build.txt requirements/test.txt
+# The ROS 2 command-line tools and launch (not on PyPI): wheels built from the upstream Jazzy sources, laid
+# beside the checkout (CI has ../shared). Without them the `ros2` CLI and launch tests skip with the reason;
+# their PyPI dependencies are pinned in requirements/test.txt either way.
+ROS_TOOLS_DIR ?= ../shared/ros-tools/wheels
+ROS_TOOLS := $(wildcard $(ROS_TOOLS_DIR)/*.whl)
+# The venv is a ROS prefix: `ros2 run/launch/pkg/interface` find packages through AMENT_PREFIX_PATH, so
+# targets put it first there, and make env adds the same to the venv's bin/activate.
+ament_prefix = AMENT_PREFIX_PATH=$(1)$${AMENT_PREFIX_PATH:+:$$AMENT_PREFIX_PATH}
 ROS_ENV = ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST ROS_LOCALHOST_ONLY=1 ROS_DOMAIN_ID=$$((RANDOM % 100 + 1))
 # What `pip install .` puts into the venv: reinstall when any of it changes.
 INSTALL_INPUTS := setup.py setup.cfg pyproject.toml CMakeLists.txt package.xml scripts/fix_ros_cmake_paths.py \
@@ -23,16 +32,22 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?= --contexts 256,1024 --repeats 20 --out build/bench-cpu.json
 
-.PHONY: env test demo bench-cpu lock clean
+.PHONY: env test test-jazzy jazzy-env jazzy-run demo bench-cpu lock lock-jazzy clean
 
 env: $(VENV)/.flashrt-installed
 
 $(VPY):
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "the ROS 2 wheels are built for CPython 3.11: make PYTHON=python3.11 ...")'
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else \
+		f"make env needs CPython 3.11 (this is {sys.version.split()[0]}): the pinned CPU torch 2.13.0+cpu is a cp311 " \
+		"wheel (for 3.12 PyPI only has the multi-GB CUDA build). Use make PYTHON=python3.11 ...; ROS 2 Jazzy on " \
+		"Python 3.12 without torch: make test-jazzy")'
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.flashrt-deps: $(VPY) $(REQS) requirements/constraints.txt
+$(VENV)/.flashrt-deps: $(VPY) $(REQS) requirements/constraints.txt $(ROS_TOOLS)
 	$(PIP) install --quiet $(addprefix -r ,$(REQS)) -c requirements/constraints.txt
+	$(if $(ROS_TOOLS),$(PIP) install --quiet --no-deps $(ROS_TOOLS),\
+		@echo "make env: no ROS 2 tool wheels in $(ROS_TOOLS_DIR): the ros2 CLI / launch tests will skip" >&2)
+	grep -q AMENT_PREFIX_PATH $(VENV)/bin/activate || echo 'export $(call ament_prefix,"$$VIRTUAL_ENV")' >> $(VENV)/bin/activate
 	touch $@
 
 # --no-build-isolation: setup.py generates the interfaces with the rosidl/ament CMake packages of this venv.
@@ -41,7 +56,49 @@ $(VENV)/.flashrt-installed: $(VENV)/.flashrt-deps $(INSTALL_INPUTS)
 	touch $@
 
 test: env
-	$(ROS_ENV) $(VPY) -m pytest $(PYTEST_ARGS)
+	$(ROS_ENV) $(call ament_prefix,$(abspath $(VENV))) $(VPY) -m pytest $(PYTEST_ARGS)
+
+# ROS 2 Jazzy (the robot's distro) on CPython 3.12 in its own venv, without torch: the interfaces are built
+# with Jazzy's rosidl (as make env builds them) and the tests that import neither torch nor the node run.
+# The CPU torch on this disk is for 3.11 only, so the runtime, node, bag and client tests stay on the Kilted
+# run. Skips loudly (exit 0) where no CPython 3.12 is found.
+JAZZY_VENV ?= build/venv-jazzy
+JAZZY_VPY := $(JAZZY_VENV)/bin/python
+JAZZY_REQS := requirements/jazzy.txt
+JAZZY_LOCK := requirements/jazzy-constraints.txt
+# python3.12 on PATH, else pyenv's 3.12 (CI machines have 3.12.1 there); empty where neither runs.
+JAZZY_PYTHON ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
+JAZZY_TESTS := test/test_packaging.py test/test_launch_file.py
+# Tests in those files that import torch or the node, or check the Kilted environment's installed set.
+JAZZY_DESELECT := test/test_packaging.py::test_requirements_pin_every_python_library_the_code_imports \
+	test/test_packaging.py::test_console_script_targets_exist[flashrt-runtime] \
+	test/test_packaging.py::test_console_script_targets_exist[flashrt_node] \
+	test/test_launch_file.py::test_readme_parameter_table_gives_each_range_the_node_enforces
+
+test-jazzy:
+	$(if $(JAZZY_PYTHON),@$(MAKE) --no-print-directory jazzy-run,\
+		@echo "*** make test-jazzy SKIPPED: no CPython 3.12 (python3.12 on PATH or pyenv's versions/3.12*);" \
+		"ROS 2 Jazzy was NOT tested. Install 3.12 or set JAZZY_PYTHON=/path/to/python3.12 ***" >&2)
+
+jazzy-env: $(JAZZY_VENV)/.flashrt-installed
+
+jazzy-run: jazzy-env
+	@$(JAZZY_VPY) -c 'import sys, importlib.metadata as m; print("test-jazzy: ros-rclpy", m.version("ros-rclpy"), \
+		"on Python", sys.version.split()[0])'
+	$(ROS_ENV) $(call ament_prefix,$(abspath $(JAZZY_VENV))) $(JAZZY_VPY) -m pytest \
+		$(JAZZY_TESTS) $(foreach t,$(JAZZY_DESELECT),--deselect '$(t)') $(PYTEST_ARGS)
+
+$(JAZZY_VPY):
+	$(JAZZY_PYTHON) -m venv $(JAZZY_VENV)
+
+$(JAZZY_VENV)/.flashrt-deps: $(JAZZY_VPY) $(JAZZY_REQS) $(JAZZY_LOCK)
+	$(JAZZY_VPY) -m pip install --quiet -r $(JAZZY_REQS) -c $(JAZZY_LOCK)
+	touch $@
+
+$(JAZZY_VENV)/.flashrt-installed: $(JAZZY_VENV)/.flashrt-deps $(INSTALL_INPUTS)
+	$(JAZZY_VPY) -m pip install --quiet --no-build-isolation .
+	touch $@
 
 demo: env
 	$(ROS_ENV) $(VENV)/bin/flashrt_demo $(DEMO_ARGS)
@@ -54,7 +111,14 @@ lock:
 	rm -rf build/lock-venv
 	$(PYTHON) -m venv build/lock-venv
 	build/lock-venv/bin/pip install --quiet $(addprefix -r ,$(REQS))
-	build/lock-venv/bin/python scripts/lock_requirements.py
+	build/lock-venv/bin/python scripts/lock_requirements.py requirements/constraints.txt $(REQS)
+
+lock-jazzy:
+	test -n "$(JAZZY_PYTHON)" || { echo "lock-jazzy: no CPython 3.12 found (set JAZZY_PYTHON)" >&2; exit 1; }
+	rm -rf build/lock-venv-jazzy
+	$(JAZZY_PYTHON) -m venv build/lock-venv-jazzy
+	build/lock-venv-jazzy/bin/pip install --quiet -r $(JAZZY_REQS)
+	build/lock-venv-jazzy/bin/python scripts/lock_requirements.py $(JAZZY_LOCK) $(JAZZY_REQS)
 
 clean:
 	rm -rf build flashrt_ros.egg-info

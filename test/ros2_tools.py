@@ -70,6 +70,13 @@ def lifecycle_state(node: str) -> str:
 def wait_for_state(client, state: int, log: Path, timeout: float = 60.0) -> None:
     """Wait (in-process, cheaper than polling the CLI) until the node is in lifecycle ``state``."""
     deadline = time.monotonic() + timeout
+    service = f"{client.target}/get_state"
+    # The process may still be importing (torch, the ROS wheels' re-exec): wait for its service to appear
+    # within the same deadline, not only the 10 s that RosClient.call gives a service it assumes is up.
+    while service not in dict(client.node.get_service_names_and_types()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{service} did not appear within {timeout} s; log:\n{log.read_text()}")
+        time.sleep(0.2)
     while time.monotonic() < deadline:
         if client.call(GetState, "get_state", timeout=timeout).current_state.id == state:
             return
