@@ -1,29 +1,46 @@
 #!/usr/bin/env bash
 # The peer benchmark on the lent H200, one command: llama.cpp (CUDA, sm_90) and our engine on the same seeded
-# qwen3.5-0.8b weights, same prompts, same GPU, one sitting. Results under $OUT:
-#   peer_log.txt  peer_llamacpp.json  ours_0.8b.json  fidelity_0.8b.json  llama_bench.json  peer_table.md  peer_summary.json
-#   build_tail.txt (only when the build failed)
+# qwen3.5-0.8b weights, same prompts, same GPU, one sitting. Results under $OUT (7 files):
+#   peer_log.txt  peer_llamacpp.json  ours.json  fidelity.json  llama_bench.json  peer_table.md  peer_summary.json
+#   (+ build_tail.txt when the build failed)
+# (kept in build-cuda/results across calls on a warm machine, copied to $OUT by every call).
 # Needs the trimmed source as a carry path (bench/peer_llamacpp/llama.cpp, from prepare_source.py) and .whl (as
 # bench/h200.sh). Usage: bash bench/peer_llamacpp/run_h200.sh [PHASE...]
 #   default phases: build gguf peer ours fidelity llama-bench table
-#   27B (not in the default: the GGUF alone is 54 GB on a 64 GiB disk): gguf-27b peer-27b ours-27b
 # Each phase leaves a marker in the build folder (kept while the machine stays warm): a second call skips what is
-# done (PEER_FORCE=1 reruns it). The CUDA build runs detached (setsid); if it outlasts PEER_BUILD_WAIT_S the script says so and exits 3: call
-# it again on the same warm machine and it waits for that build instead of starting another.
+# done (PEER_FORCE=1 reruns it). The CUDA build runs detached (setsid) while the GGUF is written; if it outlasts
+# PEER_BUILD_WAIT_S the script exits 3: call it again at once (the machine stays warm only 30 s) and it waits for
+# that build instead of starting another. The last log line lists the phases done and left.
+# PEER_MODEL=qwen3.6-27b is possible in principle but does not fit: its GGUF is 54 GB on a 64 GiB disk, and writing it
+# through numpy plus loading it takes more than a 10-minute call. PEER_DEVICE=cpu (with PEER_MODEL=tiny and a
+# PEER_BUILD folder) runs the same script on a CPU, to check it without device time.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 HERE=bench/peer_llamacpp
-BUILD=$HERE/build-cuda
+DEVICE=${PEER_DEVICE:-cuda}
+MODEL=${PEER_MODEL:-qwen3.5-0.8b}
+BUILD=${PEER_BUILD:-$HERE/build-$DEVICE}
 WORK=$BUILD/work
+RES=$BUILD/results                          # results of every call so far; each call copies them all to $OUT
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" "$WORK"
-LOG=$OUT/peer_log.txt
+mkdir -p "$OUT" "$WORK" "$RES"
+LOG=$RES/peer_log.txt
+publish() { cp -f "$RES"/* "$OUT"/ 2>/dev/null; }
+trap publish EXIT
 START=$(date +%s)
-BUDGET_S=${PEER_BUDGET_S:-560}              # stop starting timed phases after this (the call's limit is 600 s)
+BUDGET_S=${PEER_BUDGET_S:-560}              # no phase starts with under 30 s of this left (the call's limit is 600 s)
 BUILD_WAIT_S=${PEER_BUILD_WAIT_S:-420}
 CONTEXTS=${PEER_CONTEXTS:-2048,8192,16384}
 REPEATS=${PEER_REPEATS:-10}
 DECODE=${PEER_DECODE:-64}
+JOBS=${PEER_JOBS:-16}
+if [ "$DEVICE" = cuda ]; then
+  NGL=99 THREADS=16 DTYPE=bfloat16 KV=bf16
+  CMAKE_DEVICE="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_NCCL=OFF -DGGML_CUDA_FA_QUANTS=f16-f16,bf16-bf16"
+else
+  NGL=0 THREADS=$(nproc) DTYPE=float32 KV=f32 CMAKE_DEVICE=""
+fi
+GGUF=$WORK/$MODEL.gguf
 log() { echo "[$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
 left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
 
@@ -35,96 +52,94 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 commit=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
 build_done() { [ -x "$BUILD/bin/peer_timing" ] && [ -f "$BUILD/.built" ]; }
+building() { [ -f "$BUILD/.building" ] && kill -0 "$(cat "$BUILD/.building")" 2>/dev/null; }
 start_build() {
-  if build_done; then return 0; fi
-  if [ -f "$BUILD/.building" ] && kill -0 "$(cat "$BUILD/.building")" 2>/dev/null; then
-    log "build: already running (pid $(cat "$BUILD/.building")), waiting for it"; return 0
-  fi
-  local launcher=""; command -v ccache >/dev/null && launcher="-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache"
-  log "build: cmake $(cmake --version | head -1), $(nvcc --version | tail -2 | head -1), ccache: ${launcher:+yes}"
-  setsid bash -c "
-    cmake -S $HERE -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-      -DGGML_CUDA_NCCL=OFF -DGGML_CUDA_FA_QUANTS='f16-f16;bf16-bf16' -DGGML_NATIVE=ON $launcher &&
-    cmake --build $BUILD -j16 --target peer_timing llama-bench -- -k 0
+  build_done && return 0
+  if building; then log "build: already running (pid $(cat "$BUILD/.building")), waiting for it"; return 0; fi
+  local launcher=""
+  command -v ccache >/dev/null && launcher="-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache"
+  log "build: $(cmake --version | head -1), $(nvcc --version 2>/dev/null | grep release || echo no nvcc), ccache ${launcher:+yes}"
+  # llama-bench is built with -k 0: if it fails, peer_timing (what the timed phases need) is still built.
+  setsid bash -c "echo \$\$ > $BUILD/.building
+    cmake -S $HERE -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON $CMAKE_DEVICE $launcher &&
+    cmake --build $BUILD -j$JOBS --target peer_timing llama-bench -- -k 0
     [ -x $BUILD/bin/peer_timing ] && touch $BUILD/.built
     rm -f $BUILD/.building" > "$BUILD/build.log" 2>&1 < /dev/null &
   echo $! > "$BUILD/.building"
 }
 wait_build() {
   local waited=0
-  while ! build_done; do
-    if ! { [ -f "$BUILD/.building" ] && kill -0 "$(cat "$BUILD/.building")" 2>/dev/null; }; then
+  until build_done; do
+    if ! building; then
       build_done && break
-      log "build: FAILED (tail in build_tail.txt)"; tail -60 "$BUILD/build.log" > "$OUT/build_tail.txt"; return 1
+      log "build: FAILED (tail in build_tail.txt)"; tail -60 "$BUILD/build.log" > "$RES/build_tail.txt"; return 1
     fi
     if [ "$waited" -ge "$BUILD_WAIT_S" ]; then
       log "build: still running after ${waited}s ($(grep -c '^\[' "$BUILD/build.log") steps logged): call again"
-      tail -3 "$BUILD/build.log" >> "$LOG"; return 3
+      tail -2 "$BUILD/build.log" >> "$LOG"; return 3
     fi
     sleep 5; waited=$((waited + 5))
   done
-  log "build: done ($(tail -1 "$BUILD/build.log" | cut -c1-120))"
+  log "build: done ($(grep -E '^\[[0-9]+/' "$BUILD/build.log" | tail -1 | cut -c1-100))"
 }
-
-gguf() {  # preset file
-  [ -f "$WORK/$2" ] && { log "gguf: $2 present"; return 0; }
-  log "gguf: writing $2"
-  python3 $HERE/gguf_writer.py --model "$1" --device cuda --dtype bfloat16 --out "$WORK/$2.tmp" > "$WORK/gguf.log" 2>&1
+write_gguf() {
+  [ -f "$GGUF" ] && { log "gguf: $GGUF present"; return 0; }
+  log "gguf: writing $MODEL"
+  python3 $HERE/gguf_writer.py --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --out "$GGUF.tmp" > "$WORK/gguf.log" 2>&1
   local rc=$?
   tail -1 "$WORK/gguf.log" | tee -a "$LOG"
-  [ $rc = 0 ] && mv "$WORK/$2.tmp" "$WORK/$2"
-}
-peer() {  # preset file out
-  [ -f "$WORK/tokens_$1.i32" ] || python3 $HERE/tokens.py --model "$1" --longest "${CONTEXTS##*,}" --out "$WORK/tokens_$1.i32"
-  log "peer: llama.cpp bench $1 contexts $CONTEXTS"
-  "$BUILD/bin/peer_timing" bench --model "$WORK/$2" --tokens "$WORK/tokens_$1.i32" --contexts "$CONTEXTS" \
-    --repeats "$REPEATS" --decode "$DECODE" --ngl 99 --threads 16 --ubatch 2048 --out "$OUT/$3" 2>&1 | tail -5 | tee -a "$LOG"
-}
-ours() {  # preset out
-  log "ours: flashrt-runtime bench $1"
-  python3 -m flashrt_ros.runtime bench --model "$1" --device cuda --dtype bfloat16 --contexts "$CONTEXTS" \
-    --repeats "$REPEATS" --decode-tokens "$DECODE" --out "$OUT/$2" 2>&1 >/dev/null | { grep -v -i warn || true; } \
-    | tail -6 | tee -a "$LOG"
+  [ $rc = 0 ] && mv "$GGUF.tmp" "$GGUF"
 }
 
-log "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader); commit $commit; disk $(df -h . | tail -1 | awk '{print $4}') free"
-phases=${*:-build gguf peer ours fidelity llama-bench table}
-for phase in $phases; do
-  [ -z "${PEER_FORCE:-}" ] && [ -f "$BUILD/.done_$phase" ] && { log "$phase: done in an earlier call"; continue; }
-  if [ "$phase" != build ] && [ "$(left)" -lt 30 ]; then log "$phase: skipped, $(left)s of the budget left"; continue; fi
-  rc=0
-  case "$phase" in
-    build) start_build; gguf qwen3.5-0.8b qwen3.5-0.8b.gguf; wait_build; rc=$? ;;
-    gguf) gguf qwen3.5-0.8b qwen3.5-0.8b.gguf; rc=$? ;;
-    peer) build_done && peer qwen3.5-0.8b qwen3.5-0.8b.gguf peer_llamacpp.json; rc=$? ;;
-    ours) ours qwen3.5-0.8b ours_0.8b.json; rc=$? ;;
+run_phase() {
+  case "$1" in
+    build) start_build; write_gguf; wait_build ;;
+    gguf) write_gguf ;;
+    peer)
+      build_done || { log "peer: no build"; return 1; }
+      python3 $HERE/tokens.py --model "$MODEL" --longest "${CONTEXTS##*,}" --out "$WORK/tokens.i32" || return 1
+      log "peer: llama.cpp, contexts $CONTEXTS"
+      "$BUILD/bin/peer_timing" bench --model "$GGUF" --tokens "$WORK/tokens.i32" --contexts "$CONTEXTS" \
+        --repeats "$REPEATS" --decode "$DECODE" --ngl $NGL --threads "$THREADS" --ubatch 2048 \
+        --out "$RES/peer_llamacpp.json" 2>&1 | tail -4 | tee -a "$LOG" ;;
+    ours)
+      log "ours: bench rows + full restores, contexts $CONTEXTS"
+      python3 $HERE/ours.py --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --contexts "$CONTEXTS" \
+        --repeats "$REPEATS" --decode-tokens "$DECODE" --out "$RES/ours.json" 2>&1 >/dev/null \
+        | { grep -v -i warn || true; } | tail -6 | tee -a "$LOG" ;;
     fidelity)
-      log "fidelity: qwen3.5-0.8b bf16, 256-token prompt, 64 greedy tokens"
-      python3 $HERE/fidelity.py --model qwen3.5-0.8b --dtype bfloat16 --device cuda --gguf "$WORK/qwen3.5-0.8b.gguf" \
-        --binary "$BUILD/bin/peer_timing" --ngl 99 --kv bf16 --prompt-len 256 --gen 64 --workdir "$WORK/fidelity" \
-        --out "$OUT/fidelity_0.8b.json" > /dev/null 2>> "$LOG"; rc=$?
+      log "fidelity: 256-token prompt, 64 greedy tokens, llama.cpp KV $KV"
+      python3 $HERE/fidelity.py --model "$MODEL" --dtype "$DTYPE" --device "$DEVICE" --gguf "$GGUF" \
+        --binary "$BUILD/bin/peer_timing" --ngl $NGL --kv $KV --prompt-len 256 --gen 64 --workdir "$WORK/fidelity" \
+        --out "$RES/fidelity.json" > /dev/null 2>> "$LOG" || return 1
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [d.pop(k) for k in ('our_tokens','peer_tokens')]; print(d)" \
-        "$OUT/fidelity_0.8b.json" 2>&1 | tee -a "$LOG" ;;
+        "$RES/fidelity.json" | tee -a "$LOG" ;;
     llama-bench)
-      [ -x "$BUILD/bin/llama-bench" ] || { log "llama-bench: not built (see build.log)"; rc=1; continue; }
-      log "llama-bench: pp ${CONTEXTS}, tg ${DECODE} at depth 2048"
-      "$BUILD/bin/llama-bench" -m "$WORK/qwen3.5-0.8b.gguf" -ngl 99 -fa 1 -ub 2048 -b 16384 -r 3 -p "$CONTEXTS" -n 0 \
-        -o json > "$OUT/llama_bench.json" 2>> "$LOG" && \
-      "$BUILD/bin/llama-bench" -m "$WORK/qwen3.5-0.8b.gguf" -ngl 99 -fa 1 -r 3 -p 0 -n "$DECODE" -d 2048 -o json \
-        > "$OUT/llama_bench_tg.json" 2>> "$LOG"; rc=$?
-      python3 -c "import json,sys; a=json.load(open(sys.argv[1]))+json.load(open(sys.argv[2])); json.dump(a,open(sys.argv[1],'w'),indent=1); [print(r['n_prompt'],r['n_gen'],r['n_depth'],round(r['avg_ts'],1),'tok/s') for r in a]" \
-        "$OUT/llama_bench.json" "$OUT/llama_bench_tg.json" 2>&1 | tee -a "$LOG"; rm -f "$OUT/llama_bench_tg.json" ;;
+      [ -x "$BUILD/bin/llama-bench" ] || { log "llama-bench: not built (see build.log)"; return 1; }
+      log "llama-bench: pp $CONTEXTS; tg $DECODE at depth 2048"
+      "$BUILD/bin/llama-bench" -m "$GGUF" -ngl $NGL -t "$THREADS" -fa 1 -ub 2048 -b 16384 -r 3 -p "$CONTEXTS" -n 0 \
+        -o json > "$WORK/pp.json" 2>> "$LOG" &&
+      "$BUILD/bin/llama-bench" -m "$GGUF" -ngl $NGL -t "$THREADS" -fa 1 -r 3 -p 0 -n "$DECODE" -d 2048 -o json \
+        > "$WORK/tg.json" 2>> "$LOG" || return 1
+      python3 -c "import json,sys; a=json.load(open(sys.argv[1]))+json.load(open(sys.argv[2])); json.dump(a,open(sys.argv[3],'w'),indent=1); [print('llama-bench', r['n_prompt'],r['n_gen'],r['n_depth'],round(r['avg_ts'],1),'tok/s') for r in a]" \
+        "$WORK/pp.json" "$WORK/tg.json" "$RES/llama_bench.json" | tee -a "$LOG" ;;
     table)
-      python3 $HERE/results.py --peer "$OUT/peer_llamacpp.json" --ours "$OUT/ours_0.8b.json" \
-        --fidelity "$OUT/fidelity_0.8b.json" --commit "$commit" --command "bash $HERE/run_h200.sh" \
-        --device "one $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sed 's/, / (driver /;s/$/)/')" \
-        --summary "$OUT/peer_summary.json" > "$OUT/peer_table.md"; rc=$?; cat "$OUT/peer_table.md" ;;
-    gguf-27b) [ "$(df --output=avail -B1G . | tail -1)" -gt 60 ] || { log "gguf-27b: under 60 GB free"; rc=1; }
-      [ $rc = 0 ] && { gguf qwen3.6-27b qwen3.6-27b.gguf; rc=$?; } ;;
-    peer-27b) peer qwen3.6-27b qwen3.6-27b.gguf peer_llamacpp_27b.json; rc=$? ;;
-    ours-27b) ours qwen3.6-27b ours_27b.json; rc=$? ;;
-    *) log "unknown phase $phase"; rc=1 ;;
+      local gpu; gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/, / (driver /;s/$/)/')
+      python3 $HERE/results.py --peer "$RES/peer_llamacpp.json" --ours "$RES/ours.json" --fidelity "$RES/fidelity.json" \
+        --commit "$commit" --command "bash $HERE/run_h200.sh" --device "one ${gpu:-CPU ($(nproc) cores)}" \
+        --summary "$RES/peer_summary.json" > "$RES/peer_table.md" && cat "$RES/peer_table.md" ;;
+    *) log "unknown phase $1"; return 1 ;;
   esac
-  if [ "$rc" = 0 ]; then touch "$BUILD/.done_$phase"; else log "$phase: rc=$rc"; [ "$phase" = build ] && exit "$rc"; fi
+}
+
+log "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "$DEVICE"); model $MODEL; commit $commit; disk $(df -h . | tail -1 | awk '{print $4}') free"
+done_list="" left_list=""
+for phase in ${*:-build gguf peer ours fidelity llama-bench table}; do
+  if [ -z "${PEER_FORCE:-}" ] && [ -f "$BUILD/.done_$phase" ]; then done_list+=" $phase"; continue; fi
+  if [ "$(left)" -lt 30 ]; then log "$phase: not started, $(left)s of the budget left"; left_list+=" $phase"; continue; fi
+  run_phase "$phase"; rc=$?; publish
+  if [ $rc = 0 ]; then touch "$BUILD/.done_$phase"; done_list+=" $phase"
+  else log "$phase: rc=$rc"; left_list+=" $phase"; [ "$phase" = build ] && { log "left:${left_list} (and the rest)"; exit $rc; }
+  fi
 done
-log "end ($(left)s of the budget left)"
+log "done:${done_list:- none}; left:${left_list:- none} ($(left)s of the budget unused)"
