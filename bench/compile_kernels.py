@@ -11,15 +11,18 @@ How the launches are found: the kernel modules are imported as compiled (JIT) ke
 replaced by a recorder, and then the engine's own code runs on CPU tensors: the model's forward pass with the fused
 kernel set for decode (every KV bucket), every small-piece bucket (with a device count) and one long piece, and the
 quantized GEMVs and the dequantise kernel at every projection shape of the preset (fp8 with per-channel and 128-wide
-block scales, nvfp4; decode, and 8 / 24 / 40 / 256 rows: each row block the GEMV has). The recorded arguments go through Triton's own binder for the CUDA backend, so the
-signature, the constexprs and the specialisations (divisibility by 16, values of 1) are those a GPU launch would
-compile. Weights are never computed: the model's linear layers are shape-only stand-ins and the quantized weights are
-uninitialised, so a 27B layout costs little memory. The presets' layouts are kept (hidden size, heads, head dims,
+block scales, nvfp4; decode, and 8 / 24 / 40 / 256 rows: each row block the GEMV has). The recorded arguments go
+through Triton's own binder for the CUDA backend, so the signature, the constexprs and the specialisations
+(divisibility by 16, values of 1) are those a GPU launch would compile. Weights are never computed: the model's
+linear layers are shape-only stand-ins and the quantized weights are uninitialised, so a 27B layout costs little
+memory. The presets' layouts are kept (hidden size, heads, head dims,
 intermediate and vocabulary sizes); only the layer count is cut to one Gated DeltaNet and one attention layer (plus
-the MTP head), which run the same launches as all of them.
+the MTP head), which run the same launches as all of them. A kernel of the package that no launch reaches is an error
+too (a new kernel must be added here).
 
 Each distinct compile is reported as ``cubin`` (all stages), ``ptx only`` (the frontend built PTX, ptxas refused it:
-the message says why) or ``FAILED`` (the frontend itself failed). Exit status 1 when anything is not ``cubin``.
+the message says why) or ``FAILED`` (the frontend itself failed). Exit status 1 when anything is not ``cubin`` or a
+kernel was never launched.
 Triton's cache is a fresh temporary directory, so nothing is taken from an earlier run.
 """
 from __future__ import annotations
@@ -58,6 +61,8 @@ KERNEL_MODULES = (activations, attention, conv, delta_rule, norms, quant_gemv, r
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 GEMV_ROWS = (1, 8, 24, 40, quant_gemv.GEMV_MAX_ROWS)     # BLOCK_L 1, 16, 32, 64 (and several row blocks)
 FP8_BLOCK = 128                                            # compressed-tensors' block-scaled FP8 checkpoints
+PIECES = list(range(PIECE_BUCKET, SMALL_PIECE + 1, PIECE_BUCKET))   # the engine's small-piece buckets
+QUANT_KERNELS = ("_dequant_kernel", "_quant_gemv_kernel")
 LONG_PIECE = 2 * SMALL_PIECE                               # an eager piece: the tiled conv and its state launch
 
 
@@ -134,7 +139,7 @@ def kv_buckets(max_context: int) -> list[int]:
     return sizes + [max_context]
 
 
-def record_model(recorder: _Recorder, preset: str, dtype: torch.dtype, max_context: int) -> None:
+def record_model(recorder: _Recorder, preset: str, dtype: torch.dtype, max_context: int, pieces: list[int]) -> None:
     model = _layout_model(preset, dtype, max_context)
     tokens = torch.zeros(LONG_PIECE, dtype=torch.int64)
     count = torch.ones((), dtype=torch.int64)
@@ -142,7 +147,7 @@ def record_model(recorder: _Recorder, preset: str, dtype: torch.dtype, max_conte
         for kv_len in kv_buckets(max_context):
             recorder.origin = f"{preset}/{dtype} decode kv {kv_len}"
             model.forward(tokens[:1], kv_len)
-            for bucket in range(PIECE_BUCKET, SMALL_PIECE + 1, PIECE_BUCKET):
+            for bucket in pieces:
                 recorder.origin = f"{preset}/{dtype} piece {bucket} kv {kv_len}"
                 model.forward(tokens[:bucket], kv_len, count=count)
         recorder.origin = f"{preset}/{dtype} long piece {LONG_PIECE}"
@@ -190,6 +195,13 @@ def _describe(kernel: JITFunction, constexprs: dict) -> str:
     return ", ".join(f"{names[path[0]]}={value}" for path, value in sorted(constexprs.items()))
 
 
+def _gist(error: str) -> str:
+    """The line of a compiler error that says what went wrong (ptxas' "fatal", the frontend's ValueError, ...)."""
+    lines = [line.strip() for line in error.splitlines() if line.strip() and not set(line.strip()) <= set("=^ ")]
+    telling = [line for line in lines if any(w in line for w in ("fatal", "Error(", "error:", "Error: "))]
+    return (telling or lines or [""])[-1 if telling else 0]
+
+
 def compile_all(launches: list[Launch], arch: int) -> list[dict]:
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
@@ -217,7 +229,7 @@ def compile_all(launches: list[Launch], arch: int) -> list[dict]:
         results.append(result)
         mark = "ok  " if status == "cubin" else "FAIL"
         print(f"{mark} sm_{arch} {status:8s} {result['kernel']} [{result['constexprs']}] ({launch.origin})"
-              + (f"\n     {error.splitlines()[0] if error else ''}" if status != "cubin" else ""), flush=True)
+              + (f"\n     {_gist(error)}" if status != "cubin" else ""), flush=True)
     return results
 
 
@@ -228,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--max-context", type=int, default=EngineConfig().max_context,
                         help="the engine's max_context: its KV buckets set the attention kernels' split sizes")
+    parser.add_argument("--pieces", default=",".join(map(str, PIECES)),
+                        help="small-piece buckets to run (default: every bucket the engine captures)")
     parser.add_argument("--no-quant", action="store_true", help="skip the quantized GEMV and dequantise kernels")
     parser.add_argument("--json", type=Path, help="write every result here")
     args = parser.parse_args(argv)
@@ -235,21 +249,25 @@ def main(argv: list[str] | None = None) -> int:
     with recorder.recording():
         for preset in args.presets.split(","):
             for dtype in (DTYPES[d] for d in args.dtypes.split(",")):
-                record_model(recorder, preset, dtype, args.max_context)
+                record_model(recorder, preset, dtype, args.max_context, [int(p) for p in args.pieces.split(",")])
                 if not args.no_quant:
                     record_quant(recorder, preset, dtype)
     print(f"triton {triton.__version__}, torch {torch.__version__}: {len(recorder.launches)} launches recorded",
           flush=True)
     results = [r for arch in (args.arch or [90]) for r in compile_all(recorder.launches, arch)]
     failed = [r for r in results if r["status"] != "cubin"]
-    by_kernel = sorted({r["kernel"] for r in results})
-    print(f"{len(results)} distinct compiles of {len(by_kernel)} kernels ({', '.join(by_kernel)}): "
+    kernels = sorted(k.__name__ for k in recorder.kernels)
+    unlaunched = sorted(set(kernels) - {launch.kernel.__name__ for launch in recorder.launches})
+    if args.no_quant:
+        unlaunched = [k for k in unlaunched if k not in QUANT_KERNELS]
+    print(f"{len(results)} distinct compiles of {len(kernels) - len(unlaunched)} of the {len(kernels)} kernels: "
           f"{len(results) - len(failed)} cubin, {sum(r['status'] == 'ptx only' for r in failed)} ptx only, "
-          f"{sum(r['status'] == 'FAILED' for r in failed)} failed")
+          f"{sum(r['status'] == 'FAILED' for r in failed)} failed"
+          + (f"; never launched: {', '.join(unlaunched)}" if unlaunched else ""))
     if args.json:
-        args.json.write_text(json.dumps({"triton": triton.__version__, "torch": torch.__version__,
-                                         "results": results}, indent=1))
-    return 1 if failed else 0
+        args.json.write_text(json.dumps({"triton": triton.__version__, "torch": torch.__version__, "kernels": kernels,
+                                         "unlaunched": unlaunched, "results": results}, indent=1))
+    return 1 if failed or unlaunched else 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from flashrt_ros.runtime.kernels import attention, delta_rule
+from kernel_checks import assert_same_bytes, assert_within, rel
 from flashrt_ros.runtime.kernels._layout import LayoutError
 from flashrt_ros.runtime.kernels._triton import triton
 
@@ -41,11 +42,6 @@ def gen(seed: int) -> torch.Generator:
 def seed_of(*case) -> int:
     """A seed per test case, stable across processes (unlike hash())."""
     return zlib.crc32(repr(case).encode())
-
-
-def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm())
 
 
 pytestmark = pytest.mark.usefixtures("poisoned_empty")   # every test: unwritten outputs show up as NaN
@@ -301,7 +297,8 @@ def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
     want, want_state = gdn_float64(*inputs, arena.state)
     start = arena.state.clone()
     out = delta_rule.gated_delta_rule_triton(*inputs, arena.state)
-    assert rel(out, want) <= TOLERANCE[dtype] and rel(arena.state, want_state) <= 1e-5
+    assert_within("output vs float64", out, want, TOLERANCE[dtype])
+    assert_within("state vs float64", arena.state, want_state, 1e-5)
     eager_state, eager = arena.state.clone(), out.clone()
     arena.state.copy_(start)
     graph = torch.cuda.CUDAGraph()
@@ -316,13 +313,15 @@ def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
     arena.state.copy_(start)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured, eager) and torch.equal(arena.state, eager_state)
+    assert_same_bytes("graph replay output vs eager", captured, eager)
+    assert_same_bytes("graph replay state vs eager", arena.state, eager_state)
     count = torch.tensor(max(1, length - 3), device=DEVICE)
     padded_state, alone_state = start.clone(), start.clone()
     n = int(count)
     padded = delta_rule.gated_delta_rule_triton(*poison_rows(inputs, n), padded_state, count)
     alone = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs), alone_state)
-    assert torch.equal(padded_state, alone_state) and torch.equal(padded[:n], alone)
+    assert_same_bytes(f"state of a bucket of {length} with count {n} vs {n} rows alone", padded_state, alone_state)
+    assert_same_bytes(f"output of a bucket of {length} with count {n} vs {n} rows alone", padded[:n], alone)
 
 
 @on_gpu
@@ -336,7 +335,8 @@ def test_gpu_attention_decode_long_buckets_and_one_graph_for_every_position(layo
     out = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions)
     want = attention_float64(q, cache[:, 0], cache[:, 1], positions)
     ref = attention.attention_masked(q, cache[:, 0], cache[:, 1], positions)
-    assert rel(out, want) <= TOLERANCE[torch.bfloat16] and rel(out, want) <= 1.5 * rel(ref, want) + 1e-6
+    error = assert_within("output vs float64", out, want, TOLERANCE[torch.bfloat16])
+    assert error <= 1.5 * rel(ref, want) + 1e-6, f"Triton error {error:.3g} vs the reference's {rel(ref, want):.3g}"
     live = positions.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -345,7 +345,7 @@ def test_gpu_attention_decode_long_buckets_and_one_graph_for_every_position(layo
         live.copy_(torch.arange(start, start + length, device=DEVICE))
         graph.replay()
         eager = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], live)
-        assert torch.equal(captured, eager), f"positions from {start}"
+        assert_same_bytes(f"graph replay vs eager, positions from {start}", captured, eager)
 
 
 @on_gpu
@@ -361,7 +361,7 @@ def test_gpu_attention_prefill_runs_flash_without_repeated_kv(layout, length, sp
     assert "aten::_scaled_dot_product_flash_attention" in ops or "aten::_flash_attention_forward" in ops, ops
     assert "aten::repeat_interleave" not in ops, ops
     ref = attention.attention_causal(q, keys, values)
-    assert rel(out, ref) <= 1e-2
+    assert_within("flash GQA vs repeated K/V", out, ref, 1e-2)
     if span <= 4096:
         want = attention_float64(q[-64:], keys, values, torch.arange(span - 64, span, device=DEVICE))
-        assert rel(out[-64:], want) <= TOLERANCE[torch.bfloat16]
+        assert_within("last 64 rows vs float64", out[-64:], want, TOLERANCE[torch.bfloat16])

@@ -23,6 +23,7 @@ from flashrt_ros.runtime.kernels.conv import causal_conv, causal_conv_triton
 from flashrt_ros.runtime.kernels.norms import (add_rms_norm, add_rms_norm_triton, gated_rms_norm,
                                                 gated_rms_norm_triton, rms_norm, rms_norm_triton)
 from flashrt_ros.runtime.kernels.rope import qk_norm_rope_kv_write, qk_norm_rope_kv_write_triton
+from kernel_checks import assert_same_bytes
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -408,6 +409,9 @@ def test_gpu_graph_replay_equals_eager(fused):
     arena.copy_(start_arena)
     graph.replay()
     torch.cuda.synchronize()
-    for got, want in zip(captured, eager):
-        assert torch.equal(got, want)
-    assert torch.equal(state, eager_state) and torch.equal(arena, eager_arena)
+    names = ["rms_norm", "add_rms_norm (normed)", "add_rms_norm (summed)", "gated_rms_norm", "silu_mul", "causal_conv",
+             "qk_norm_rope_kv_write"]
+    for name, got, want in zip(names, captured, eager, strict=True):
+        assert_same_bytes(f"{name}: graph replay vs eager", got, want)
+    assert_same_bytes("conv state: graph replay vs eager", state, eager_state)
+    assert_same_bytes("KV arena: graph replay vs eager", arena, eager_arena)

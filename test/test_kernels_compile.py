@@ -1,0 +1,36 @@
+"""Every Triton kernel of the runtime compiles for a CUDA target (sm_90) at the launches the engine makes, here on
+the CPU: bench/compile_kernels.py runs Triton's compiler (frontend and ptxas) without a device. It runs in a
+subprocess because this test process imports the kernels for Triton's interpreter (conftest sets TRITON_INTERPRET=1),
+and at the tiny preset's launches only (the GPU command in BENCHMARKS/the report covers every preset and dtype).
+
+This is the check that would have caught triton 3.6's "CompilationError at 49:18" in the fp8 GEMV before a GPU run."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "compile_kernels.py"
+CUDA_BACKEND = importlib.util.find_spec("triton") is not None and \
+    importlib.util.find_spec("triton.backends.nvidia") is not None
+
+
+@pytest.mark.skipif(not CUDA_BACKEND, reason="needs triton with its CUDA backend (no GPU needed)")
+@pytest.mark.timeout(300)
+def test_every_kernel_compiles_to_a_cubin_for_sm90_at_the_engines_launches(tmp_path):
+    out = tmp_path / "compile.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--presets", "tiny", "--dtypes", "bfloat16",
+                           "--max-context", "256", "--pieces", "8,40", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=280, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    compiled = {r["kernel"] for r in report["results"]}
+    assert report["unlaunched"] == [] and compiled == set(report["kernels"]), report["kernels"]
+    assert len(report["kernels"]) >= 11      # norms 2, silu, conv 2, delta rule, attention 2, rope, GEMV, dequant
+    assert all(r["status"] == "cubin" and r["arch"] == "sm_90" for r in report["results"])
+    gemv = [r for r in report["results"] if r["kernel"] == "_quant_gemv_kernel"]
+    assert {"ONE_ROW=True" in r["constexprs"] for r in gemv} == {True, False}     # decode and the tl.dot path
