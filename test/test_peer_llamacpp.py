@@ -27,12 +27,13 @@ PEER = Path(__file__).resolve().parents[1] / "bench" / "peer_llamacpp"
 SRC = PEER / "llama.cpp"
 BINARY = PEER / "build-cpu" / "bin" / "peer_timing"
 
-pytestmark = pytest.mark.skipif(not (SRC / "convert_hf_to_gguf.py").is_file(),
-                                reason="no trimmed llama.cpp source: run bench/peer_llamacpp/prepare_source.py")
+needs_source = pytest.mark.skipif(not (SRC / "convert_hf_to_gguf.py").is_file(),
+                                  reason="no trimmed llama.cpp source: run bench/peer_llamacpp/prepare_source.py")
 sys.path.insert(0, str(PEER))
 
 from fidelity import run as fidelity_run  # noqa: E402
 from gguf_writer import import_converter, imrope_sections, read_metadata, write_gguf  # noqa: E402
+import results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,7 @@ def _expected(model) -> dict[str, torch.Tensor]:
     return out
 
 
+@needs_source
 def test_gguf_holds_our_weights_bit_for_bit(tiny_bf16):
     model, path = tiny_bf16
     assert model.cfg.linear_num_key_heads < model.cfg.linear_num_value_heads   # the V-head reorder is exercised
@@ -109,6 +111,7 @@ def test_gguf_holds_our_weights_bit_for_bit(tiny_bf16):
             np.testing.assert_array_equal(np.asarray(t.data).reshape(want.shape), want.numpy(), err_msg=name)
 
 
+@needs_source
 def test_gguf_metadata_describes_the_preset(tiny_bf16):
     model, path = tiny_bf16
     cfg = model.cfg
@@ -126,6 +129,7 @@ def test_gguf_metadata_describes_the_preset(tiny_bf16):
     assert reader.fields["tokenizer.ggml.eos_token_id"].contents() == cfg.eos_token_ids[0]
 
 
+@needs_source
 def test_fast_metadata_reader_matches_gguf_py(tiny_bf16, tmp_path):
     _, path = tiny_bf16
     _, reader = _reader(path)
@@ -180,6 +184,7 @@ def test_imrope_sections_that_leave_a_pair_on_the_extra_axis_do_not_reduce():
     assert imrope_sections(64) == [11, 11, 10, 0]          # the converter's default for Qwen3.5's 64 rotary dims
 
 
+@needs_source
 @pytest.mark.skipif(not BINARY.is_file(), reason="no CPU build of llama.cpp (see bench/peer_llamacpp/README.md)")
 def test_llama_cpp_agrees_with_our_engine_on_tiny_float32(tmp_path):
     from flashrt_ros.runtime.engine import Engine, EngineConfig
@@ -190,3 +195,26 @@ def test_llama_cpp_agrees_with_our_engine_on_tiny_float32(tmp_path):
     assert result["greedy_tokens_equal"] == 12
     assert result["logit_corr_min"] > 0.99999
     assert result["rel_l2"] < 1e-3
+
+
+def test_results_compare_like_for_like_and_judge_the_targets():
+    ours = {"rows": [{"context": 2048, "cold_ttft_ms": 40.0, "decode_ms_per_token": 1.5, "capsule_bytes": 2**20,
+                      "snapshot_p50_ms": 0.2, "restore_p50_ms": 0.05, "restore_full_p50_ms": 0.2,
+                      "capsule_ttft_ms": 2.0, "capsule_ttft_full_ms": 2.2}],
+            "model": "m", "kernels": "k", "dtype": "bfloat16"}
+    peer = {"llama_cpp_commit": "0c1e57098bba", "n_ubatch": 2048, "kv_cache": "f16", "rows": [
+        {"context": 2048, "cold_ttft_ms": 60.0, "decode_ms_per_token": 1.2, "state_host_bytes": 2**21,
+         "state_get_host_ms": 20.0, "state_set_host_ms": 30.0, "state_get_device_ms": 1.0, "state_set_device_ms": 3.0,
+         "restore_suffix_ttft_host_ms": 50.0, "restore_suffix_ttft_device_ms": 21.0, "first_token_cold": 1,
+         "first_token_host_restore": 1, "first_token_device_restore": 1}, {"context": 8192}]}
+    rows = results.paired(ours, peer)
+    assert [o["context"] for o, _, _ in rows] == [2048]              # contexts only llama.cpp ran are left out
+    ratio = rows[0][2]
+    assert ratio["restore_speedup_device"] == pytest.approx(15.0)     # against our full restore, not the delta one
+    assert ratio["capsule_ttft_delta_speedup_device"] == pytest.approx(10.5)
+    met = {t["target"]: t["met"] for t in results.targets(rows)}
+    assert met == {results.TARGETS[0][0]: False, results.TARGETS[1][0]: False, results.TARGETS[2][0]: True,
+                   results.TARGETS[3][0]: False, results.TARGETS[4][0]: True}
+    text = results.section(ours, peer, None, {"device": "d", "command": "c", "commit": "x", "date": "2026-12-03"})
+    assert "| 2048 | 40.00 / 60.00 (1.50x) | 1.50 / 1.20 (0.80x) |" in text
+    assert "equals its cold prefill's" in text and "our decode <= llama.cpp's at 2048 (0.80x)" in text

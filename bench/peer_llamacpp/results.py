@@ -86,6 +86,18 @@ def fidelity_line(f: dict) -> str:
             f"(logit std {f['logit_std']:.3g}).")
 
 
+def readme_row(rows: list[tuple[dict, dict, dict]], peer: dict) -> str:
+    """The README's measured-numbers row for the longest context (the 27B column is left as not measured)."""
+    o, p, r = rows[-1]
+    return (f"| llama.cpp `{peer['llama_cpp_commit'][:7]}` on the same weights, same run (@{o['context'] // 1024}k): "
+            f"decode; cold TTFT; seq-state set on device; its restore + suffix + first token "
+            f"| {p['decode_ms_per_token']:.2f} ms ({r['decode_peer_over_ours']:.2f}x ours); "
+            f"{p['cold_ttft_ms']:.1f} ms ({r['cold_ttft_peer_over_ours']:.2f}x); "
+            f"{p['state_set_device_ms']:.3f} ms ({r['restore_speedup_device']:.1f}x our full restore); "
+            f"{p['restore_suffix_ttft_device_ms']:.2f} ms ({r['capsule_ttft_delta_speedup_device']:.1f}x our capsule TTFT) "
+            f"| not measured |")
+
+
 def section(ours: dict, peer: dict, fidelity: dict | None, meta: dict) -> str:
     rows = paired(ours, peer)
     unmet = [t for t in targets(rows) if not t["met"]]
@@ -126,12 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--date", default=datetime.date.today().isoformat())
     parser.add_argument("--append", type=Path, help="append the section to this markdown file")
     parser.add_argument("--summary", type=Path, help="write ratios and targets as JSON here")
+    parser.add_argument("--readme-row", action="store_true", help="also print the README's measured-numbers row")
     args = parser.parse_args(argv)
     ours, peer = json.loads(args.ours.read_text()), json.loads(args.peer.read_text())
     fidelity = json.loads(args.fidelity.read_text()) if args.fidelity and args.fidelity.is_file() else None
     meta = {"device": args.device, "command": args.command, "commit": args.commit, "date": args.date}
     text = section(ours, peer, fidelity, meta)
     print(text)
+    if args.readme_row:
+        print("README row:\n" + readme_row(paired(ours, peer), peer))
     if args.append:
         with open(args.append, "a") as f:
             f.write("\n" + text)

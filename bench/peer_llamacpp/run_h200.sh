@@ -6,7 +6,7 @@
 # (kept in build-cuda/results across calls on a warm machine, copied to $OUT by every call).
 # Needs the trimmed source as a carry path (bench/peer_llamacpp/llama.cpp, from prepare_source.py) and .whl (as
 # bench/h200.sh). Usage: bash bench/peer_llamacpp/run_h200.sh [PHASE...]
-#   default phases: build gguf peer ours fidelity llama-bench table
+#   default phases: build gguf peer ours fidelity table llama-bench
 # Each phase leaves a marker in the build folder (kept while the machine stays warm): a second call skips what is
 # done (PEER_FORCE=1 reruns it). The CUDA build runs detached (setsid) while the GGUF is written; if it outlasts
 # PEER_BUILD_WAIT_S the script exits 3: call it again at once (the machine stays warm only 30 s) and it waits for
@@ -117,9 +117,9 @@ run_phase() {
     llama-bench)
       [ -x "$BUILD/bin/llama-bench" ] || { log "llama-bench: not built (see build.log)"; return 1; }
       log "llama-bench: pp $CONTEXTS; tg $DECODE at depth 2048"
-      "$BUILD/bin/llama-bench" -m "$GGUF" -ngl $NGL -t "$THREADS" -fa 1 -ub 2048 -b 16384 -r 3 -p "$CONTEXTS" -n 0 \
+      "$BUILD/bin/llama-bench" -m "$GGUF" -ngl $NGL -t "$THREADS" -fa 1 -ub 2048 -b 16384 -r 2 -p "$CONTEXTS" -n 0 \
         -o json > "$WORK/pp.json" 2>> "$LOG" &&
-      "$BUILD/bin/llama-bench" -m "$GGUF" -ngl $NGL -t "$THREADS" -fa 1 -r 3 -p 0 -n "$DECODE" -d 2048 -o json \
+      "$BUILD/bin/llama-bench" -m "$GGUF" -ngl $NGL -t "$THREADS" -fa 1 -r 2 -p 0 -n "$DECODE" -d 2048 -o json \
         > "$WORK/tg.json" 2>> "$LOG" || return 1
       python3 -c "import json,sys; a=json.load(open(sys.argv[1]))+json.load(open(sys.argv[2])); json.dump(a,open(sys.argv[3],'w'),indent=1); [print('llama-bench', r['n_prompt'],r['n_gen'],r['n_depth'],round(r['avg_ts'],1),'tok/s') for r in a]" \
         "$WORK/pp.json" "$WORK/tg.json" "$RES/llama_bench.json" | tee -a "$LOG" ;;
@@ -127,16 +127,21 @@ run_phase() {
       local gpu; gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/, / (driver /;s/$/)/')
       python3 $HERE/results.py --peer "$RES/peer_llamacpp.json" --ours "$RES/ours.json" --fidelity "$RES/fidelity.json" \
         --commit "$commit" --command "bash $HERE/run_h200.sh" --device "one ${gpu:-CPU ($(nproc) cores)}" \
-        --summary "$RES/peer_summary.json" > "$RES/peer_table.md" && cat "$RES/peer_table.md" ;;
+        --summary "$RES/peer_summary.json" --readme-row > "$RES/peer_table.md" && cat "$RES/peer_table.md" ;;
     *) log "unknown phase $1"; return 1 ;;
   esac
 }
 
 log "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "$DEVICE"); model $MODEL; commit $commit; disk $(df -h . | tail -1 | awk '{print $4}') free"
+# Seconds a phase needs on the H200 (estimates, 0.8B): one is not started with less left, so that a call is never
+# killed mid-phase (a second call carries on).
+declare -A NEEDS=([build]=0 [gguf]=60 [peer]=90 [ours]=200 [fidelity]=150 [table]=5 [llama-bench]=90)
 done_list="" left_list=""
-for phase in ${*:-build gguf peer ours fidelity llama-bench table}; do
+for phase in ${*:-build gguf peer ours fidelity table llama-bench}; do
   if [ -z "${PEER_FORCE:-}" ] && [ -f "$BUILD/.done_$phase" ]; then done_list+=" $phase"; continue; fi
-  if [ "$(left)" -lt 30 ]; then log "$phase: not started, $(left)s of the budget left"; left_list+=" $phase"; continue; fi
+  if [ "$(left)" -lt "${NEEDS[$phase]:-60}" ]; then
+    log "$phase: not started, $(left)s of the budget left (needs ~${NEEDS[$phase]:-60}s)"; left_list+=" $phase"; continue
+  fi
   run_phase "$phase"; rc=$?; publish
   if [ $rc = 0 ]; then touch "$BUILD/.done_$phase"; done_list+=" $phase"
   else log "$phase: rc=$rc"; left_list+=" $phase"; [ "$phase" = build ] && { log "left:${left_list} (and the rest)"; exit $rc; }
