@@ -7,22 +7,29 @@ capsule. ``restore_full_p50_ms`` and ``capsule_ttft_full_ms`` restore into a cle
 every KV row differs and all the capsule's bytes are copied.
 
     python3 bench/peer_llamacpp/ours.py --model qwen3.5-0.8b --device cuda --dtype bfloat16 --contexts 2048,8192 \
-        --repeats 10 --decode-tokens 64 --out ours.json
+        --repeats 10 --decode-tokens 64 --out ours.json [--fidelity fidelity.json --gguf M.gguf --binary peer_timing]
+
+With --fidelity, the same engine then runs fidelity.py's check against llama.cpp (one engine start instead of two).
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE))
 
 from flashrt_ros.runtime import cli  # noqa: E402
 from flashrt_ros.runtime.bench import SUFFIX_LEN, bench_context, markdown_table  # noqa: E402
 from flashrt_ros.runtime.engine import Engine  # noqa: E402
 from flashrt_ros.runtime.timing import timed  # noqa: E402
 from flashrt_ros.runtime.verify import prompt_tokens  # noqa: E402
+import fidelity  # noqa: E402
 
 CAPSULE = "peer-full"
 
@@ -51,8 +58,22 @@ def full_restore(engine: Engine, context: int, repeats: int) -> dict:
     return {"restore_full_p50_ms": statistics.median(restore), "capsule_ttft_full_ms": statistics.median(ttft)}
 
 
+def _fidelity_args() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--fidelity", type=Path, help="also run the fidelity check, its JSON here")
+    parser.add_argument("--gguf", type=Path, help="the GGUF of these weights (gguf_writer.py)")
+    parser.add_argument("--binary", type=Path, help="peer_timing")
+    parser.add_argument("--ngl", type=int, default=99)
+    parser.add_argument("--kv", default="bf16")
+    parser.add_argument("--fidelity-prompt", type=int, default=256)
+    parser.add_argument("--fidelity-gen", type=int, default=64)
+    parser.add_argument("--fidelity-work", type=Path, help="scratch folder (token files, llama.cpp's logits)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = cli.build_parser().parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    extra, rest = _fidelity_args().parse_known_args(sys.argv[1:] if argv is None else argv)
+    args = cli.build_parser().parse_args(["bench", *rest])
     contexts = [int(c) for c in args.contexts.split(",")]
     # As cmd_bench configures its engine.
     engine = Engine(cli._config(args, max(contexts) + SUFFIX_LEN + args.decode_tokens + 8, 16384, 8192,
@@ -66,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(markdown_table(result["rows"]), file=sys.stderr)
+    if extra.fidelity:
+        workdir = extra.fidelity_work or extra.fidelity.with_suffix(".work")
+        workdir.mkdir(parents=True, exist_ok=True)
+        check = fidelity.run(engine, extra.binary, extra.fidelity_prompt, extra.fidelity_gen, workdir, extra.ngl,
+                             extra.kv, threads=os.cpu_count() or 1, gguf_path=extra.gguf)
+        extra.fidelity.write_text(json.dumps(check, indent=2) + "\n")
     return 0
 
 

@@ -103,15 +103,19 @@ run_phase() {
         --repeats "$REPEATS" --decode "$DECODE" --ngl $NGL --threads "$THREADS" --ubatch 2048 \
         --out "$RES/peer_llamacpp.json" 2>&1 | tail -4 | tee -a "$LOG" ;;
     ours)
-      log "ours: bench rows + full restores, contexts $CONTEXTS"
+      log "ours: bench rows + full restores, contexts $CONTEXTS; then the fidelity check on the same engine"
+      local check=""
+      build_done && [ -f "$GGUF" ] && check="--fidelity $RES/fidelity.json --gguf $GGUF --binary $BUILD/bin/peer_timing
+        --ngl $NGL --kv $KV --fidelity-prompt 256 --fidelity-gen 64 --fidelity-work $WORK/fidelity"
       python3 $HERE/ours.py --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --contexts "$CONTEXTS" \
-        --repeats "$REPEATS" --decode-tokens "$DECODE" --out "$RES/ours.json" 2>&1 >/dev/null \
+        --repeats "$REPEATS" --decode-tokens "$DECODE" --out "$RES/ours.json" $check 2>&1 >/dev/null \
         | { grep -v -i warn || true; } | tail -6 | tee -a "$LOG" ;;
     fidelity)
-      log "fidelity: 256-token prompt, 64 greedy tokens, llama.cpp KV $KV"
-      python3 $HERE/fidelity.py --model "$MODEL" --dtype "$DTYPE" --device "$DEVICE" --gguf "$GGUF" \
-        --binary "$BUILD/bin/peer_timing" --ngl $NGL --kv $KV --prompt-len 256 --gen 64 --workdir "$WORK/fidelity" \
-        --out "$RES/fidelity.json" > /dev/null 2>> "$LOG" || return 1
+      [ -f "$RES/fidelity.json" ] || {
+        log "fidelity: 256-token prompt, 64 greedy tokens, llama.cpp KV $KV"
+        python3 $HERE/fidelity.py --model "$MODEL" --dtype "$DTYPE" --device "$DEVICE" --gguf "$GGUF" \
+          --binary "$BUILD/bin/peer_timing" --ngl $NGL --kv $KV --prompt-len 256 --gen 64 --workdir "$WORK/fidelity" \
+          --out "$RES/fidelity.json" > /dev/null 2>> "$LOG" || return 1; }
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [d.pop(k) for k in ('our_tokens','peer_tokens')]; print(d)" \
         "$RES/fidelity.json" | tee -a "$LOG" ;;
     llama-bench)
@@ -135,7 +139,7 @@ run_phase() {
 log "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "$DEVICE"); model $MODEL; commit $commit; disk $(df -h . | tail -1 | awk '{print $4}') free"
 # Seconds a phase needs on the H200 (estimates, 0.8B): one is not started with less left, so that a call is never
 # killed mid-phase (a second call carries on).
-declare -A NEEDS=([build]=0 [gguf]=60 [peer]=90 [ours]=200 [fidelity]=150 [table]=5 [llama-bench]=90)
+declare -A NEEDS=([build]=0 [gguf]=60 [peer]=90 [ours]=240 [fidelity]=150 [table]=5 [llama-bench]=90)
 done_list="" left_list=""
 for phase in ${*:-build gguf peer ours fidelity table llama-bench}; do
   if [ -z "${PEER_FORCE:-}" ] && [ -f "$BUILD/.done_$phase" ]; then done_list+=" $phase"; continue; fi
