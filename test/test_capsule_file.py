@@ -54,9 +54,9 @@ def split(blob: bytes) -> tuple[dict, bytes]:
     return json.loads(blob[start:start + length]), payload
 
 
-def assemble(header: dict, payload: bytes, key: bytes | None = None) -> bytes:
+def assemble(header: dict | bytes, payload: bytes, key: bytes | None = None) -> bytes:
     """A well-formed file whose digests (or, with ``key``, HMACs) are computed over whatever it holds."""
-    encoded = json.dumps(header).encode()
+    encoded = header if isinstance(header, bytes) else json.dumps(header).encode()
     prelude = capsule_file._PRELUDE.pack(capsule_file._MAGIC, capsule_file._VERSION, len(encoded))
     header_mac = capsule_file._mac(key, capsule_file._HEADER_DOMAIN)
     header_mac.update(prelude + encoded)
@@ -315,7 +315,11 @@ def test_truncated_extended_and_foreign_files_are_refused(engine, tmp_path):
                           (blob[:capsule_file._PRELUDE.size + 5], "ends inside its header"),
                           (blob[:10], "ends inside its prelude"), (b"", "ends inside its prelude"),
                           (b"GIF89a" + blob[6:], "not a flashrt capsule file"),
-                          (blob[:16] + struct.pack("<I", 3) + blob[20:], "unknown format version 3")]:
+                          (blob[:16] + struct.pack("<I", 3) + blob[20:], "unknown format version 3"),
+                          (assemble(b"[" * 8000 + b"]" * 8000, b""), "header: not JSON"),
+                          (assemble(b"\xff{}", b""), "header: not JSON"),
+                          (assemble(b"[]", b""), "exactly the fields"),
+                          (assemble(b"x" * (capsule_file.MAX_HEADER_BYTES + 1), b""), "more than")]:
         path.write_bytes(damaged)
         refused_file(engine, "s", says=says)
 

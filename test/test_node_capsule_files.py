@@ -9,7 +9,7 @@ from test_node_lifecycle import lifecycle_state, transition
 from test_node_services import engine_state, events, fresh, observe, on_engine  # noqa: F401 - fixtures
 
 from flashrt_ros.msg import ErrorCode
-from flashrt_ros.runtime import capsule_file
+from flashrt_ros.runtime import Engine, EngineConfig, capsule_file
 from flashrt_ros.session import ObservationInput
 from flashrt_ros.srv import DropCapsule, ExportCapsule, ImportCapsule, ListCapsules, Restore, Snapshot
 
@@ -44,9 +44,9 @@ def last_event(events, op):
     return wait_for(lambda: [e for e in events if e.op == op], what=f"a {op!r} event")[-1]
 
 
-def test_export_then_import_after_a_reconfigure_continues_token_identically(clean, folders, events):
+def test_an_export_survives_a_reconfigure_and_stays_exported(clean, folders, events):
     node, client = clean
-    folder, _ = folders
+    folder, key = folders
     observe(node, "The cup is on the table.")
     snap = client.call(Snapshot, "snapshot", capsule_id="cup", label="seen cup")
     continuation = on_engine(node, lambda s: list(s.engine.generate(6, stop_token_ids=[])))
@@ -56,21 +56,43 @@ def test_export_then_import_after_a_reconfigure_continues_token_identically(clea
     assert (exported.capsule.id, exported.capsule.label, exported.capsule.checksum) == ("cup", "seen cup",
                                                                                        snap.capsule.checksum)
     assert [p.name for p in folder.iterdir()] == ["cup.capsule"]
-    header, _ = capsule_file.read_capsule_header(folder / "cup.capsule", key=folders[1].read_bytes())
+    header, _ = capsule_file.read_capsule_header(folder / "cup.capsule", key=key.read_bytes())
     assert header.label == "seen cup"
     event = last_event(events, "export")
     assert (event.success, event.capsule_id, event.result_id) == (True, "cup", "cup")
 
-    # a new engine (cleanup + configure), as after a restart: the file is still there and imports
+    # a new engine (cleanup + configure), as after a restart: the file is indexed as a disk-tier capsule
     for step in (Transition.TRANSITION_DEACTIVATE, Transition.TRANSITION_CLEANUP, Transition.TRANSITION_CONFIGURE,
                  Transition.TRANSITION_ACTIVATE):
         assert transition(client, step)
-    assert client.call(ListCapsules, "list_capsules").capsules == []
-    imported = client.call(ImportCapsule, "import_capsule", capsule_id="cup")
-    assert imported.success and (imported.capsule.id, imported.capsule.label) == ("cup", "seen cup")
-    assert imported.capsule.checksum == snap.capsule.checksum and imported.position == 0
-    assert last_event(events, "import").result_id == "cup"
+    listed = client.call(ListCapsules, "list_capsules").capsules
+    assert [(c.id, c.tier, c.checksum) for c in listed] == [("cup", "disk", snap.capsule.checksum)]
+    blob = (folder / "cup.capsule").read_bytes()
+    again = client.call(ExportCapsule, "export_capsule", capsule_id="cup")    # its file holds it already
+    assert again.success and (folder / "cup.capsule").read_bytes() == blob
     assert client.call(Restore, "restore", capsule_id="cup", verify_checksum=True).success
+    assert on_engine(node, lambda s: list(s.engine.generate(6, stop_token_ids=[]))) == continuation
+
+
+def test_a_file_from_another_robot_imports_and_continues_token_identically(clean, folders, events):
+    """Another engine of the same fingerprint (the other robot) exports into a folder; the file is copied into
+    the node's capsule_dir while it runs, and ~/import_capsule takes it."""
+    node, client = clean
+    folder, key = folders
+    robot = Engine(EngineConfig(model="tiny", max_context=TINY_PARAMS["max_context"],
+                                capsule_dir=str(folder.parent / "robot"), capsule_key_file=str(key)))
+    assert robot.fingerprint == on_engine(node, lambda s: s.engine.fingerprint)
+    robot.ingest(robot.tokenizer.encode("Handed over by the other arm."))
+    robot.snapshot("handover", label="from arm 2")
+    continuation = list(robot.generate(6, stop_token_ids=[]))
+    robot.export_capsule("handover")
+    (folder / "handover.capsule").write_bytes(robot.capsule_file("handover").read_bytes())
+
+    imported = client.call(ImportCapsule, "import_capsule", capsule_id="handover")
+    assert imported.success and (imported.capsule.id, imported.capsule.label) == ("handover", "from arm 2")
+    assert imported.capsule.checksum == robot.capsule("handover").checksum and imported.position == 0
+    assert last_event(events, "import").result_id == "handover"
+    assert client.call(Restore, "restore", capsule_id="handover", verify_checksum=True).success
     assert on_engine(node, lambda s: list(s.engine.generate(6, stop_token_ids=[]))) == continuation
 
 

@@ -204,7 +204,7 @@ def _peek_auth(header: bytes) -> str:
     """The header's claimed ``auth``, for the refusal message only (the header failed its tag: untrusted)."""
     try:
         return str(json.loads(header).get("auth", ""))
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return ""
 
 
@@ -214,8 +214,8 @@ def _parse_header(header: bytes, path: Path, key: bytes | None) -> tuple[Capsule
 
     try:
         fields = json.loads(header)
-    except ValueError as err:
-        raise bad(f"not JSON ({err})") from None
+    except (ValueError, RecursionError) as err:
+        raise bad(f"not JSON ({type(err).__name__})") from None
     if not isinstance(fields, dict) or set(fields) != {"auth", "fingerprint", "info"}:
         raise bad("expected exactly the fields auth, fingerprint, info")
     info, fingerprint = fields["info"], fields["fingerprint"]
