@@ -80,7 +80,7 @@ def checksum_torch(data: torch.Tensor) -> str:
     for start in range(0, words.numel(), _CHUNK_WORDS):
         h = _mix(words[start:start + _CHUNK_WORDS], start)
         s1 += h.sum()
-        s2 += h.square_().sum()
+        s2 += h.mul_(h).sum()
     return _format(int(s1), int(s2), data.numel())
 
 
