@@ -120,6 +120,11 @@ class FlashRTNode(Node):
         self.get_logger().info(
             f"configured: model={settings.engine.model} device={settings.engine.device} "
             f"dtype={settings.engine.dtype} max_context={settings.engine.max_context}")
+        listed = [c.id for c in engine.capsules() if c.tier == "disk"]
+        if listed:
+            self.get_logger().info(f"capsule_dir: {len(listed)} capsule(s) listed on the disk tier: {', '.join(listed)}")
+        for why in engine.capsule_dir_refused:
+            self.get_logger().warning(f"capsule_dir: refused {why}")
         return super().on_configure(state)
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:

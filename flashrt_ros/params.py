@@ -46,6 +46,10 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
      "~/import_capsule; created at configure if missing (\"\" = capsule files disabled: NO_CAPSULE_DIR)", None, None),
     ("capsule_key_file", "", "file whose bytes (at least 16) are the HMAC key that signs exported capsule files and "
      "must sign imported ones (\"\" = unsigned SHA-256 files; a forged file is then not detectable)", None, None),
+    ("capsule_evict_policy", "refuse", "when the capsule budget is full: refuse the new capsule, or lru: spill the "
+     "least-recently-used unpinned capsules down a tier (pinned host, then capsule_dir)", None, ("refuse", "lru")),
+    ("capsule_host_budget_mb", 1024, "pinned host memory capsules may spill to (discrete GPUs only; 0 = none)",
+     (0, 1 << 22), None),
     ("history_depth", 32, "commit boundaries kept for rollback(steps=k)", (1, 1 << 16), None),
     ("seed", 0, "weights seed for presets and the sampler seed after reset", (0, 2**63 - 1), None),
     ("sampling.temperature", 0.0, "default sampling temperature (0 = greedy)", (0.0, 100.0), None),
@@ -150,7 +154,8 @@ def read_settings(node) -> NodeSettings:
             capsule_budget_bytes=p["capsule_budget_mb"] << 20, history_depth=p["history_depth"], seed=p["seed"],
             weights_format=p["weights_format"], weights_exclude=quant.parse_patterns(p["weights_exclude"]),
             capsule_budget_fraction=p["capsule_budget_fraction"], capsule_dir=p["capsule_dir"],
-            capsule_key_file=p["capsule_key_file"]),
+            capsule_key_file=p["capsule_key_file"], capsule_evict_policy=p["capsule_evict_policy"],
+            capsule_host_budget_bytes=p["capsule_host_budget_mb"] << 20),
         discretiser=Discretiser(
             low=p["discretiser.low"], high=p["discretiser.high"], bins=p["discretiser.bins"],
             token_offset=p["discretiser.token_offset"], dims=p["discretiser.dims"],

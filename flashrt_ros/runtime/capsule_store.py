@@ -18,10 +18,11 @@ import itertools
 import torch
 
 from .arena import Arena
-from .capsules import Capsule, CapsuleInfo, CapsuleStore, label_nbytes
+from .capsules import INTERRUPTED_PREFIX, Capsule, CapsuleInfo, CapsuleStore, label_nbytes
 from .errors import ErrorCode, FlashRTError
 
 FIXED = "fixed"          # the pseudo-buffer of the fixed-size state: one row of Layout.fixed_bytes
+DEVICE, HOST, DISK = "device", "host", "disk"     # tiers: the engine's device, pinned host memory, capsule_dir
 _block_ids = itertools.count(1)
 
 
@@ -67,12 +68,21 @@ def segment_bytes(segment: Segment) -> torch.Tensor:
 
 @dataclasses.dataclass(eq=False)
 class StoredCapsule:
-    """A stored capsule: its info and, on the device tier, its segments per buffer (FIXED first)."""
+    """A stored capsule: its info and its bytes: on the device tier its segments per buffer (FIXED first), on the
+    host tier one full host tensor, on the disk tier its file (``<capsule_dir>/<id>.capsule``)."""
     info: CapsuleInfo
     fingerprint: str
     rows: dict[str, tuple[Segment, ...]]
     pinned: bool = False
     last_used: int = 0
+    tier: str = DEVICE
+    host: torch.Tensor | None = None
+    owns_file: bool = False      # its file was written by a spill (a drop deletes it); exports and indexed files stay
+
+
+def is_pinned(stored: StoredCapsule) -> bool:
+    """Pinned capsules (and the node's interrupted-* ones) never leave the device."""
+    return stored.pinned or stored.info.id.startswith(INTERRUPTED_PREFIX)
 
 
 class LiveRows:
@@ -131,8 +141,12 @@ class DeltaStore(CapsuleStore):
         return self._blocks
 
     @property
+    def host_bytes(self) -> int:
+        return sum(c.host.numel() for c in self._capsules.values() if c.host is not None)
+
+    @property
     def used_bytes(self) -> int:
-        """Every held block once, plus every capsule's label."""
+        """The device tier's bytes: every held block once, plus every capsule's label."""
         return (sum(b.nbytes for b in self._blocks.values())
                 + sum(label_nbytes(c.info.label) for c in self._capsules.values()))
 
@@ -145,11 +159,46 @@ class DeltaStore(CapsuleStore):
                  lineage_parent: str, pinned: bool = False) -> StoredCapsule:
         stored = StoredCapsule(info, fingerprint, rows, pinned, next(self._clock))
         self.add(stored, lineage_parent)
+        self.attach(stored, rows)
+        return stored
+
+    def attach(self, stored: StoredCapsule, rows: dict[str, tuple[Segment, ...]]) -> None:
+        """Put the capsule on the device tier, holding these segments."""
+        stored.rows, stored.tier, stored.host = rows, DEVICE, None
         for segs in rows.values():
             for block, _, _ in segs:
                 block.refs += 1
                 self._blocks[block.id] = block
-        return stored
+
+    def release(self, stored: StoredCapsule) -> None:
+        """Let go of the capsule's segments; blocks nobody else holds are freed."""
+        for segs in stored.rows.values():
+            for block, _, _ in segs:
+                block.refs -= 1
+                if not block.refs:
+                    del self._blocks[block.id]
+        stored.rows = {}
+
+    def eviction(self, need: int, keep) -> list[StoredCapsule] | None:
+        """The least recently used device capsules (``keep(capsule)`` false) whose spilling frees ``need`` bytes
+        of the device budget, fewest first; None if even all of them would not."""
+        holders: dict[int, set[str]] = {}
+        for c in self._capsules.values():
+            for segs in c.rows.values():
+                for block, _, _ in segs:
+                    holders.setdefault(block.id, set()).add(c.info.id)
+        short = self.used_bytes + need - self.budget_bytes
+        chosen: list[StoredCapsule] = []
+        for candidate in sorted((c for c in self._capsules.values() if c.tier == DEVICE and not keep(c)),
+                                key=lambda c: c.last_used):
+            if short <= 0:
+                break
+            chosen.append(candidate)
+            ids = {c.info.id for c in chosen}
+            freed = sum(self._blocks[b].nbytes for b, who in holders.items() if who <= ids)
+            if freed >= short:
+                return chosen
+        return chosen if short <= 0 else None
 
     def check_room(self, nbytes: int, label: str = "") -> None:
         nbytes += label_nbytes(label)
@@ -162,14 +211,11 @@ class DeltaStore(CapsuleStore):
         """Remove a capsule; returns the bytes freed (its blocks no other capsule holds) and its nearest stored
         ancestor."""
         stored = self.get(capsule_id)
-        before = self.used_bytes
+        before = self.used_bytes + self.host_bytes
         _, parent = super().drop(capsule_id)
-        for segs in stored.rows.values():
-            for block, _, _ in segs:
-                block.refs -= 1
-                if not block.refs:
-                    del self._blocks[block.id]
-        return before - self.used_bytes, parent
+        self.release(stored)
+        stored.host = None
+        return before - self.used_bytes - self.host_bytes, parent
 
     def touch(self, capsule_id: str) -> None:
         self.get(capsule_id).last_used = next(self._clock)
@@ -188,30 +234,47 @@ class DeltaStore(CapsuleStore):
 
     def info(self, capsule_id: str) -> CapsuleInfo:
         stored = self.get(capsule_id)
-        own, shared = self.split_bytes(stored)
-        return dataclasses.replace(stored.info, own_bytes=own, shared_bytes=shared, pinned=stored.pinned)
+        own, shared = self.split_bytes(stored) if stored.tier == DEVICE else (stored.info.nbytes, 0)
+        tier = stored.info.tier if stored.tier == DEVICE else stored.tier    # the device tier by its memory kind
+        return dataclasses.replace(stored.info, own_bytes=own, shared_bytes=shared, pinned=is_pinned(stored),
+                                   tier=tier)
 
     def infos(self) -> list[CapsuleInfo]:
         return [self.info(capsule_id) for capsule_id in self._capsules]
 
-    def materialise(self, capsule_id: str) -> torch.Tensor:
-        """The capsule's full bytes in capsule layout (a new tensor)."""
+    def materialise(self, capsule_id: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The full bytes of a device or host tier capsule in capsule layout, into ``out`` (default: a new tensor
+        where its bytes are)."""
         stored = self.get(capsule_id)
+        if stored.host is not None:
+            return stored.host.clone() if out is None else out.copy_(stored.host)
         parts = [segment_bytes(s) for segs in stored.rows.values() for s in segs]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        if out is None:
+            return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        offset = 0
+        for part in parts:
+            out[offset:offset + part.numel()].copy_(part, non_blocking=True)
+            offset += part.numel()
+        return out
 
     def full_capsule(self, capsule_id: str) -> Capsule:
         stored = self.get(capsule_id)
         return Capsule(stored.info, stored.fingerprint, self.materialise(capsule_id))
 
 
-def rows_of_full(layout: Layout, data: torch.Tensor, position: int) -> dict[str, tuple[Segment, ...]]:
-    """Fresh blocks (copies, one per buffer) holding a full capsule's bytes ``data``."""
-    rows = {FIXED: ((Block(0, layout.fixed_bytes, data[:layout.fixed_bytes].clone()), 0, 1),)}
+def rows_of_full(layout: Layout, data: torch.Tensor, position: int,
+                 device: torch.device | None = None) -> dict[str, tuple[Segment, ...]]:
+    """Fresh blocks on ``device`` (default: data's), copies one per buffer, holding a full capsule's bytes ``data``."""
+    device = data.device if device is None else device
+
+    def copy(start: int, length: int) -> torch.Tensor:
+        return torch.empty(length, dtype=torch.uint8, device=device).copy_(data[start:start + length])
+
+    rows = {FIXED: ((Block(0, layout.fixed_bytes, copy(0, layout.fixed_bytes)), 0, 1),)}
     offset = layout.fixed_bytes
     for name, row_size in layout.row_bytes.items():
         length = position * row_size
-        rows[name] = ((Block(0, row_size, data[offset:offset + length].clone()), 0, position),) if position else ()
+        rows[name] = ((Block(0, row_size, copy(offset, length)), 0, position),) if position else ()
         offset += length
     return rows
 

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import tempfile
 import time
 
-from . import bench_quant, quant
+from . import bench_capsules, bench_quant, quant
 from .bench import bench_context, cold_prefill_profile, markdown_table
 from .engine import Engine, EngineConfig
 from .errors import ErrorCode, FlashRTError
@@ -100,6 +102,20 @@ def cmd_bench_quant(args) -> dict:
     return result
 
 
+def cmd_bench_capsules(args) -> dict:
+    folder = args.capsule_dir or tempfile.mkdtemp(prefix="flashrt-bench-capsules-")
+    config = dataclasses.replace(_config(args, args.context + args.branch_tokens + 8, 256, 1 << 20),
+                                 capsule_dir=folder, capsule_host_budget_bytes=args.host_budget_mb << 20)
+    engine = Engine(config)
+    result = {"model": args.model, "device": args.device, "dtype": args.dtype, "capsule_dir": folder,
+              **bench_capsules.run(engine, args.context, args.branches, args.branch_tokens, args.repeats)}
+    print(bench_capsules.markdown(result), file=sys.stderr)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashrt-runtime", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--repeats", type=int, default=10)
     bq.add_argument("--out", help="write the JSON result here too")
     bq.set_defaults(func=cmd_bench_quant)
+    bc = sub.add_parser("bench-capsules", help="delta capsules, sibling restore, spill/fetch per tier, files")
+    _engine_args(bc)
+    bc.add_argument("--context", type=int, default=1024, help="tokens of the planner's root")
+    bc.add_argument("--branches", type=int, default=8)
+    bc.add_argument("--branch-tokens", type=int, default=64, help="tokens each branch adds to the root")
+    bc.add_argument("--repeats", type=int, default=10)
+    bc.add_argument("--capsule-dir", default="", help="the disk tier (default: a new temporary folder)")
+    bc.add_argument("--host-budget-mb", type=int, default=8192, help="pinned host tier (discrete GPUs)")
+    bc.add_argument("--out", help="write the JSON result here too")
+    bc.set_defaults(func=cmd_bench_capsules)
     return parser
 
 

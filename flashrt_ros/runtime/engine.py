@@ -19,12 +19,14 @@ import torch
 
 from . import capsule_file as capsule_io
 from .arena import RNG_COUNTER, RNG_SEED, Arena, buffer_specs
-from .capsule_store import FIXED, Block, DeltaStore, Layout, LiveRows, StoredCapsule, rows_of_full
-from .capsules import CapsuleInfo
+from .capsule_store import (DEVICE, DISK, FIXED, Block, DeltaStore, Layout, LiveRows, StoredCapsule, is_pinned,
+                            rows_of_full)
+from .capsules import CapsuleInfo, label_nbytes
 from .checksum import checksum
 from .config import PRESETS
 from .errors import ErrorCode, FlashRTError
 from .graphs import GraphRunner
+from . import capsule_tiers
 from . import kernels as kernel_sets
 from . import platform, quant
 from .model import PIECE_BUCKET, SMALL_PIECE
@@ -57,6 +59,8 @@ class EngineConfig:
     seed: int = 0
     capsule_dir: str = ""               # export/import folder, <capsule_dir>/<id>.capsule ("" = none)
     capsule_key_file: str = ""          # HMAC key that signs and checks capsule files ("" = unsigned files)
+    capsule_evict_policy: str = "refuse"    # refuse | lru: spill least-recently-used unpinned capsules down a tier
+    capsule_host_budget_bytes: int = 1 << 30   # pinned host tier (discrete GPUs only; 0 = none)
 
     def validate(self) -> "EngineConfig":
         def bad(why):
@@ -73,6 +77,11 @@ class EngineConfig:
             raise bad("history_depth must be >= 1 and capsule_budget_bytes >= 0")
         if self.weights_format not in quant.FORMATS:
             raise bad(f"weights_format must be one of {list(quant.FORMATS)}, got {self.weights_format!r}")
+        if self.capsule_evict_policy not in capsule_tiers.POLICIES:
+            raise bad(f"capsule_evict_policy must be one of {list(capsule_tiers.POLICIES)}, "
+                      f"got {self.capsule_evict_policy!r}")
+        if self.capsule_host_budget_bytes < 0:
+            raise bad("capsule_host_budget_bytes must be >= 0")
         if not 0.0 <= self.capsule_budget_fraction <= 1.0:
             raise bad(f"capsule_budget_fraction must be in [0, 1], got {self.capsule_budget_fraction}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -143,6 +152,11 @@ class Engine:
                                                               self.platform, platform.mem_available_bytes()),
                                 self.layout)
         self._live_rows = LiveRows(self.layout.row_bytes)     # which stored blocks the live KV rows equal
+        self.last_restore_bytes = 0
+        self.tiers = capsule_tiers.Tiers(self.store, self.device, self.capsule_dir, self._capsule_key,
+                                         self.platform.pinned_host_tier, cfg.capsule_host_budget_bytes)
+        # capsule files of this engine in capsule_dir are disk-tier capsules; why the others were refused
+        self.capsule_dir_refused = self.tiers.index(self.fingerprint, self.arena.live_nbytes)
         self._fixed_span = self.arena.specs["kv"].offset
         self._history = torch.zeros(cfg.history_depth, self._fixed_span, dtype=torch.uint8, device=self.device)
         self._boundaries: deque[_Boundary] = deque()          # oldest first
@@ -191,7 +205,8 @@ class Engine:
         return {"position": self.position, "ttft_ms": self.stats_ttft_ms,
                 "decode_tokens_per_s": self.stats_tokens_per_s, "arena_bytes": self.arena_bytes,
                 "capsule_bytes": self.capsule_bytes_used, "capsule_budget_bytes": self.capsule_budget_bytes,
-                "capsule_count": len(self.store.infos()), "kernel": self.kernel_name,
+                "capsule_count": len(self.store.infos()), "capsule_host_bytes": self.store.host_bytes,
+                "capsule_tiers": ",".join(self.tiers.names), "kernel": self.kernel_name,
                 "kernel_reason": self.kernel_reason, "weights_format": self.weights_format,
                 "cuda_graphs": len(self.graphs.graphs), **self.platform.diagnostics()}
 
@@ -432,7 +447,8 @@ class Engine:
         new_id = self.store.new_id(capsule_id, label)
         position = self.position
         plan = self._plan_rows(position)
-        self.store.check_room(self._plan_bytes(plan, position), label)
+        shared = {block.id for segments, _ in plan.values() for block, _, _ in segments}
+        self._make_room(self._plan_bytes(plan, position), label, protect=shared)
         rows = self._take_rows(plan, position)
         info = CapsuleInfo(id=new_id, parent=parent, label=label, position=position,
                            nbytes=self.layout.nbytes(position), tier="device" if self.device.type == "cuda" else "host",
@@ -444,12 +460,94 @@ class Engine:
         return self.store.info(new_id)
 
     @torch.inference_mode()
-    def snapshot(self, capsule_id: str | None = None, label: str = "") -> CapsuleInfo:
+    def snapshot(self, capsule_id: str | None = None, label: str = "", pinned: bool = False) -> CapsuleInfo:
+        """A capsule of the live state. ``pinned``: it never leaves the device (the planner's root)."""
+        self._settle()
         info = self._new_capsule(capsule_id, label, parent=self.live_parent)
         self.live_parent = info.id
+        if pinned:
+            self.store.get(info.id).pinned = True
+            info = self.store.info(info.id)
         return info
 
-    def _restorable(self, capsule_id: str, verify_checksum: bool) -> StoredCapsule:
+    # ---- tiers and eviction --------------------------------------------------------------------------------
+    def _settle(self) -> None:
+        """Finish the background spills that are done; release a rollback boundary whose bytes left the device."""
+        self.tiers.finish()
+        oldest = self._boundaries[0] if self._boundaries else None
+        if oldest is not None and oldest.fixed is not None and oldest.fixed.id not in self.store.blocks:
+            # the oldest rollback boundary still points at a capsule's freed fixed state: release it too
+            if len(self._boundaries) == 1:
+                self._restart_history()       # the live state is that boundary: keep it as a copy
+            else:
+                self._boundaries.popleft()
+
+    def _victims(self, need: int, label: str, protect: set[int] = frozenset(),
+                 keep_ids: tuple[str, ...] = ()) -> list[StoredCapsule]:
+        """[] if ``need`` bytes and the label fit the device budget now; else, under the lru policy, the capsules to
+        spill first (never pinned, never ``keep_ids``, never a holder of a block in ``protect``); else refuse."""
+        try:
+            self.store.check_room(need, label)
+            return []
+        except FlashRTError as err:
+            if self.config.capsule_evict_policy != "lru":
+                raise
+            refusal = err
+
+        def keep(c: StoredCapsule) -> bool:
+            return (is_pinned(c) or c.info.id in keep_ids
+                    or any(b.id in protect for segments in c.rows.values() for b, _, _ in segments))
+        victims = self.store.eviction(need + label_nbytes(label), keep)
+        if victims is None or (DISK not in self.tiers.names and sum(v.info.nbytes for v in victims)
+                               > self.tiers.host_budget_bytes - self.store.host_bytes):
+            raise FlashRTError(ErrorCode.BUDGET_EXCEEDED, f"{refusal.message}; spilling every unpinned capsule "
+                                                          f"to the tiers below ({', '.join(self.tiers.names[1:]) or 'none'}) "
+                                                          f"would not make room")
+        return victims
+
+    def _make_room(self, need: int, label: str, protect: set[int] = frozenset(),
+                   keep_ids: tuple[str, ...] = ()) -> None:
+        for victim in self._victims(need, label, protect, keep_ids):
+            self.tiers.spill(victim, self.tiers.below(victim))
+        self._settle()
+
+    @torch.inference_mode()
+    def spill(self, capsule_id: str, tier: str = "", wait: bool = True) -> CapsuleInfo:
+        """Move a capsule off the device: to ``tier`` (host | disk; "" = the next one down). A disk spill with
+        ``wait=False`` writes the file in the background; the capsule moves when it is complete."""
+        self._settle()
+        stored = self.store.get(capsule_id)
+        tier = tier or (self.tiers.below(stored) or DISK)
+        self.tiers.check_target(stored, tier)
+        self.tiers.spill(stored, tier, wait)
+        self._settle()
+        return self.store.info(capsule_id)
+
+    @torch.inference_mode()
+    def fetch(self, capsule_id: str) -> CapsuleInfo:
+        """Bring a host or disk tier capsule back onto the device (making room as the policy allows)."""
+        self._settle()
+        self._on_device(self.store.get(capsule_id))
+        return self.store.info(capsule_id)
+
+    def _on_device(self, stored: StoredCapsule) -> None:
+        if stored.tier != DEVICE:                            # (a pending spill is on the device until it completes)
+            data = self.tiers.fetch_bytes(stored)            # read and checked before any room is made
+            self._make_room(self.layout.nbytes(stored.info.position), "", keep_ids=(stored.info.id,))
+            self.tiers.attach(stored, data)
+
+    def pin(self, capsule_id: str, pinned: bool = True) -> CapsuleInfo:
+        """Pin a capsule to the device (fetched first) or unpin it."""
+        self._settle()
+        stored = self.store.get(capsule_id)
+        if pinned:
+            self._on_device(stored)
+        stored.pinned = pinned
+        return self.store.info(capsule_id)
+
+    def _restorable(self, capsule_id: str, verify_checksum: bool, fetch: bool = True) -> StoredCapsule:
+        """A capsule that may become live, on the device (fetched if it was spilled, unless not ``fetch``)."""
+        self._settle()
         capsule = self.store.get(capsule_id)
         if capsule.fingerprint != self.fingerprint:
             raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
@@ -459,9 +557,11 @@ class Engine:
         if verify_checksum:
             if not capsule.info.checksum:
                 raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule {capsule_id!r} has no stored checksum")
-            if checksum(self.store.materialise(capsule_id)) != capsule.info.checksum:
+            if checksum(self.capsule_bytes(capsule_id)) != capsule.info.checksum:
                 raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"capsule {capsule_id!r} is corrupted: its bytes "
                                                                 f"no longer match its checksum")
+        if fetch:
+            self._on_device(capsule)
         return capsule
 
     def _check_size(self, info: CapsuleInfo, what: str) -> None:
@@ -474,10 +574,14 @@ class Engine:
         """Make the capsule live: its fixed state, and only the KV rows the live arena does not already hold."""
         position, fixed = capsule.info.position, capsule.rows[FIXED][0][0]
         self.arena.write_live(0, fixed.data, names=("meta",) if kv_only else None)
+        copied = self.arena.specs["meta"].nbytes if kv_only else fixed.nbytes
         for name in ("kv",) if kv_only else self.layout.row_bytes:
             segments = capsule.rows[name]
-            self._write_rows(name, segments, self._live_rows.common(name, segments))
+            start = self._live_rows.common(name, segments)
+            self._write_rows(name, segments, start)
             self._live_rows.set(name, segments, position)
+            copied += max(0, position - start) * self.layout.row_bytes[name]
+        self.last_restore_bytes = copied      # what this restore wrote (a sibling: the fixed state + divergence)
         self._live_rows.truncate(position)
         self.live_parent = capsule.info.id
         self.store.touch(capsule.info.id)
@@ -499,8 +603,9 @@ class Engine:
             if switch:
                 self.live_parent = info.id
             return info
-        source = self._restorable(source_id, verify_checksum=False)
         new_id = self.store.new_id(capsule_id, label)
+        source = self._restorable(source_id, verify_checksum=False)
+        self._make_room(0, label, keep_ids=(source_id,))
         info = dataclasses.replace(source.info, id=new_id, parent=source_id, label=label, created=time.time())
         self.store.add_rows(info, source.fingerprint, dict(source.rows), lineage_parent=source_id)  # all shared
         self.store.touch(source_id)
@@ -514,10 +619,11 @@ class Engine:
         if (capsule_id is None) == (steps is None):
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "rollback needs exactly one of capsule_id or steps")
         if capsule_id is not None:
-            capsule = self._restorable(capsule_id, verify_checksum=False)
+            capsule = self._restorable(capsule_id, verify_checksum=False, fetch=False)
             if capsule_id not in self.store.ancestors(self.live_parent):
                 raise FlashRTError(ErrorCode.NOT_IN_LINEAGE, f"capsule {capsule_id!r} is not an ancestor of the live "
                                                              f"state (live descends from {self.live_parent!r})")
+            self._on_device(capsule)
             self._load(capsule)
             return self.position
         if steps < 1:
@@ -546,26 +652,23 @@ class Engine:
         need = self._plan_bytes(self._plan_rows(first), first)
         for before, position in zip([first, *later], later):
             need += self._plan_bytes({name: ((), before) for name in self.layout.row_bytes}, position)
-        self.store.check_room(need, label)
+        self._victims(need, label)
 
     def drop(self, capsule_id: str) -> int:
         """Free a capsule. The live state and other capsules then descend from its nearest stored ancestor."""
-        fixed = self.store.get(capsule_id).rows[FIXED][0][0]
+        self._settle()
+        self.tiers.forget(self.store.get(capsule_id))
         freed, parent = self.store.drop(capsule_id)
         if self.live_parent == capsule_id:
             self.live_parent = parent
-        if self._boundaries and self._boundaries[0].fixed is fixed and fixed.id not in self.store.blocks:
-            # the oldest rollback boundary still points at these freed bytes: release them too
-            if len(self._boundaries) == 1:
-                self._restart_history()       # the live state is that boundary: keep it as a copy
-            else:
-                self._boundaries.popleft()
+        self._settle()
         return freed
 
     def capsule(self, capsule_id: str) -> CapsuleInfo:
         return self.store.info(capsule_id)
 
     def capsules(self) -> list[CapsuleInfo]:
+        self._settle()
         return self.store.infos()
 
     @torch.inference_mode()
@@ -578,8 +681,9 @@ class Engine:
         return self._copy_live(self.position)
 
     def capsule_bytes(self, capsule_id: str) -> torch.Tensor:
-        """A capsule's full bytes in capsule layout (a copy: its shared rows included)."""
-        return self.store.materialise(capsule_id)
+        """A capsule's full bytes in capsule layout (a copy: its shared rows included), wherever it is."""
+        stored = self.store.get(capsule_id)
+        return self.tiers.read(stored, self.device) if stored.tier == DISK else self.store.materialise(capsule_id)
 
     # ---- files -------------------------------------------------------------------------------------------
     def capsule_file(self, capsule_id: str) -> Path:
@@ -590,10 +694,13 @@ class Engine:
         return capsule_io.capsule_path(self.capsule_dir, capsule_id)
 
     def export_capsule(self, capsule_id: str) -> CapsuleInfo:
-        """Write a stored capsule to :meth:`capsule_file` (atomic; signed when a key is configured). A file of that
-        id that exists already is kept (DUPLICATE_CAPSULE_ID): remove it first to export again."""
+        """Write a stored capsule to :meth:`capsule_file` (atomic; signed when a key is configured). A capsule on
+        the disk tier is in that file already (nothing to write). Any other file of that id is kept
+        (DUPLICATE_CAPSULE_ID): remove it first to export again."""
         path = self.capsule_file(capsule_id)
         info = self.store.info(capsule_id)
+        if info.tier == DISK:
+            return info
         if path.exists():
             raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"{path.name} already exists in the capsule "
                                                                f"directory (remove it to export {capsule_id!r} again)")
@@ -611,14 +718,18 @@ class Engine:
                                f"(fingerprint {fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
         self._check_size(info, f"capsule file {capsule_id!r}")
         self.store.new_id(capsule_id, info.label)
-        self.store.check_room(info.nbytes, info.label)
+        self._victims(info.nbytes, info.label)         # refuses unless it fits (after eviction, under lru)
 
     @torch.inference_mode()
     def import_capsule(self, capsule_id: str) -> CapsuleInfo:
         """Read :meth:`capsule_file` into the store: same fingerprint, free id, within the budget; its recorded
-        parent belongs to another session, so it starts a lineage of its own."""
+        parent belongs to another session, so it starts a lineage of its own. A file listed at configure is a
+        disk-tier capsule already: importing it fetches it onto the device."""
+        if capsule_id in self.store and self.store.get(capsule_id).tier == DISK:
+            return self.fetch(capsule_id)
         capsule = capsule_io.read_capsule_file(self.capsule_file(capsule_id), self.device, key=self._capsule_key,
                                                expect=lambda info, fp: self._check_import(capsule_id, info, fp))
+        self._make_room(capsule.info.nbytes, capsule.info.label)
         rows = rows_of_full(self.layout, capsule.data, capsule.info.position)
         self.store.add_rows(capsule.info, capsule.fingerprint, rows, lineage_parent="")
         return self.store.info(capsule_id)

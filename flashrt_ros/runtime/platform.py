@@ -56,6 +56,12 @@ class PlatformReport:
         """Capsules live in host DRAM: on the CPU and on integrated GPUs."""
         return self.integrated or not self.compute_capability
 
+    @property
+    def pinned_host_tier(self) -> bool:
+        """Capsules can spill to pinned host memory: a discrete GPU (on integrated ones host and device are one
+        DRAM and pinned-host registration is unsupported; on the CPU the device tier is host memory already)."""
+        return bool(self.compute_capability) and not self.integrated
+
     def diagnostics(self) -> dict[str, str]:
         return {f"platform.{k}": str(v) for k, v in dataclasses.asdict(self).items()}
 

@@ -1,0 +1,157 @@
+"""Benchmark (``flashrt-runtime bench-capsules``): what delta capsules, lineage-aware restore and the tiers buy.
+
+A planner's tree: a root at ``context`` tokens, then ``branches`` siblings, each restored from the root and
+``branch_tokens`` further. Measured on one engine, side by side, in one run:
+
+* memory held: the delta store's used bytes vs what full copies would hold (every capsule's full size), and both
+  over one full capsule (the issue's target: 8 branches of the 27B shape at 16k under 2x one full capsule);
+* restore: a sibling after a sibling (lineage-aware: the fixed state and the divergence), a full restore (after a
+  reset nothing is live), and the copy floor (one device copy of the full capsule's bytes), p50 over repeats;
+* spill and fetch per tier (pinned host where the device has one, disk where ``--capsule-dir`` is given or a
+  temporary folder) against the link's floor measured on the same bytes: a plain device-to-pinned-host copy and
+  back, and a plain write + fsync / read of the same bytes;
+* export and import of a branch through the capsule directory (bytes/s).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .capsule_store import DISK, HOST
+from .engine import Engine
+from .timing import timed
+from .verify import prompt_tokens
+
+
+def _p50(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def build_tree(engine: Engine, context: int, branches: int, branch_tokens: int) -> list[str]:
+    engine.reset()
+    engine.ingest(prompt_tokens(engine.vocab_size, context, "bench-capsules-root"))
+    engine.snapshot("root")
+    ids = []
+    for i in range(branches):
+        engine.restore("root")
+        engine.ingest(prompt_tokens(engine.vocab_size, branch_tokens, f"bench-capsules-branch-{i}"))
+        ids.append(engine.snapshot(f"branch{i}").id)
+    return ids
+
+
+def memory_figures(engine: Engine, ids: list[str]) -> dict:
+    full_one = engine.capsule("root").nbytes
+    full_copies = sum(c.nbytes for c in engine.capsules())
+    held = engine.capsule_bytes_used
+    return {"one_full_capsule_bytes": full_one, "full_copies_bytes": full_copies, "delta_bytes": held,
+            "full_copies_over_one": full_copies / full_one, "delta_over_one": held / full_one,
+            "branch_own_bytes": engine.capsule(ids[0]).own_bytes,
+            "branch_shared_bytes": engine.capsule(ids[0]).shared_bytes}
+
+
+def restore_figures(engine: Engine, ids: list[str], repeats: int) -> dict:
+    device = engine.device
+    sibling, copied = [], 0
+    engine.restore(ids[0])
+    for n in range(repeats):
+        _, ms = timed(device, lambda: engine.restore(ids[(n + 1) % len(ids)]))
+        sibling.append(ms)
+        copied = engine.last_restore_bytes
+    full = []
+    for n in range(repeats):
+        engine.reset()
+        full.append(timed(device, lambda: engine.restore(ids[n % len(ids)]))[1])
+    src = engine.capsule_bytes(ids[0])
+    dst = torch.empty_like(src)
+    floor = [timed(device, lambda: dst.copy_(src))[1] for _ in range(repeats)]
+    out = {"sibling_restore_p50_ms": _p50(sibling), "sibling_restore_bytes": copied,
+           "full_restore_p50_ms": _p50(full), "full_restore_bytes": src.numel(), "copy_floor_p50_ms": _p50(floor)}
+    out["sibling_over_floor"] = out["sibling_restore_p50_ms"] / out["copy_floor_p50_ms"]
+    out["full_over_floor"] = out["full_restore_p50_ms"] / out["copy_floor_p50_ms"]
+    return out
+
+
+def _link_floors(engine: Engine, nbytes: int, folder: Path, repeats: int) -> dict:
+    """Plain copies of ``nbytes`` over each link: device <-> pinned host, and host <-> a file (write + fsync, read)."""
+    device = engine.device
+    data = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    out = {}
+    if HOST in engine.tiers.names:
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        out["host_spill_floor_ms"] = _p50([timed(device, lambda: host.copy_(data))[1] for _ in range(repeats)])
+        out["host_fetch_floor_ms"] = _p50([timed(device, lambda: data.copy_(host))[1] for _ in range(repeats)])
+    host = data.cpu()
+    path = folder / ".bench-floor"
+
+    def write():
+        with open(path, "wb") as f:
+            f.write(memoryview(host.numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read():
+        with open(path, "rb") as f:
+            f.readinto(memoryview(host.numpy()))
+        data.copy_(host)
+    out["disk_spill_floor_ms"] = _p50([timed(device, write)[1] for _ in range(repeats)])
+    out["disk_fetch_floor_ms"] = _p50([timed(device, read)[1] for _ in range(repeats)])
+    path.unlink()
+    return out
+
+
+def tier_figures(engine: Engine, capsule_id: str, folder: Path, repeats: int) -> dict:
+    device, nbytes = engine.device, engine.capsule(capsule_id).nbytes
+    out = {"spilled_bytes": nbytes, **_link_floors(engine, nbytes, folder, repeats)}
+    for tier in (t for t in (HOST, DISK) if t in engine.tiers.names):
+        engine.spill(capsule_id, tier)                 # warm: the first pinned allocation, the file's first write
+        engine.fetch(capsule_id)
+        spills, fetches = [], []
+        for _ in range(repeats):
+            spills.append(timed(device, lambda: engine.spill(capsule_id, tier))[1])
+            fetches.append(timed(device, lambda: engine.fetch(capsule_id))[1])
+        out[f"{tier}_spill_p50_ms"], out[f"{tier}_fetch_p50_ms"] = _p50(spills), _p50(fetches)
+        out[f"{tier}_spill_over_floor"] = out[f"{tier}_spill_p50_ms"] / out[f"{tier}_spill_floor_ms"]
+        out[f"{tier}_fetch_over_floor"] = out[f"{tier}_fetch_p50_ms"] / out[f"{tier}_fetch_floor_ms"]
+    return out
+
+
+def file_figures(engine: Engine, capsule_id: str, repeats: int) -> dict:
+    nbytes, exports, imports = engine.capsule(capsule_id).nbytes, [], []
+    for _ in range(repeats):
+        exports.append(timed(engine.device, lambda: engine.export_capsule(capsule_id))[1])
+        engine.drop(capsule_id)
+        imports.append(timed(engine.device, lambda: engine.import_capsule(capsule_id))[1])
+        engine.capsule_file(capsule_id).unlink()
+    return {"export_p50_ms": _p50(exports), "import_p50_ms": _p50(imports),
+            "export_gb_s": nbytes / _p50(exports) / 1e6, "import_gb_s": nbytes / _p50(imports) / 1e6}
+
+
+def run(engine: Engine, context: int, branches: int, branch_tokens: int, repeats: int) -> dict:
+    if engine.capsule_dir is None:
+        raise ValueError("bench-capsules needs an engine with a capsule_dir")
+    started = time.perf_counter()
+    ids = build_tree(engine, context, branches, branch_tokens)
+    result = {"context": context, "branches": branches, "branch_tokens": branch_tokens,
+              "tiers": list(engine.tiers.names), **memory_figures(engine, ids),
+              **restore_figures(engine, ids, repeats)}
+    result.update(tier_figures(engine, ids[-1], engine.capsule_dir, repeats))
+    result.update(file_figures(engine, ids[-2], repeats))
+    result["bench_s"] = time.perf_counter() - started
+    return result
+
+
+COLUMNS = ["context", "branches", "one_full_capsule_bytes", "full_copies_over_one", "delta_over_one",
+           "sibling_restore_p50_ms", "full_restore_p50_ms", "copy_floor_p50_ms", "sibling_over_floor",
+           "full_over_floor", "host_spill_p50_ms", "host_spill_over_floor", "host_fetch_p50_ms",
+           "host_fetch_over_floor", "disk_spill_p50_ms", "disk_spill_over_floor", "disk_fetch_p50_ms",
+           "disk_fetch_over_floor", "export_gb_s", "import_gb_s"]
+
+
+def markdown(result: dict) -> str:
+    cols = [c for c in COLUMNS if c in result]
+    cells = [f"{result[c]:.3g}" if isinstance(result[c], float) else f"{result[c]:,}" for c in cols]
+    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), "| " + " | ".join(cells) + " |"])

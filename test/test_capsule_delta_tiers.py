@@ -1,0 +1,286 @@
+"""Delta capsules, lineage-aware restore and the tiers below the device, case by case (the stateful test drives
+them at random): what a restore copies, what a drop frees, what eviction moves, what a restart finds on disk."""
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError
+from flashrt_ros.runtime import capsule_file
+from flashrt_ros.runtime.platform import PlatformReport
+
+CONFIG = EngineConfig(model="tiny", max_context=256, prefill_chunk=16, history_depth=8)
+ROOT = list(range(1, 101))                      # 100 tokens of shared context
+
+
+def make(**overrides) -> Engine:
+    return Engine(dataclasses.replace(CONFIG, **overrides))
+
+
+def greedy(engine: Engine, n: int) -> list[int]:
+    return list(engine.generate(n, stop_token_ids=[]))
+
+
+def planner(engine: Engine, branches: int = 3, tokens: int = 10) -> dict[str, torch.Tensor]:
+    """A root and sibling branches of it, as a planner makes them; returns each capsule's full bytes."""
+    engine.ingest(ROOT)
+    engine.snapshot("root")
+    for i in range(branches):
+        engine.restore("root")
+        engine.ingest([200 + i] * 3)
+        greedy(engine, tokens - 3)
+        engine.snapshot(f"b{i}")
+    return {c.id: engine.capsule_bytes(c.id).clone() for c in engine.capsules()}
+
+
+def row_bytes(engine: Engine) -> int:
+    return sum(engine.layout.row_bytes.values())
+
+
+def assert_live_is(engine: Engine, full: torch.Tensor) -> None:
+    assert torch.equal(engine.live_bytes(), full)
+
+
+# ---- delta capsules and lineage-aware restore --------------------------------------------------------------
+
+def test_branches_hold_only_their_divergence_and_count_shared_rows_once():
+    engine = make()
+    full = planner(engine)
+    root = engine.capsule("root")
+    fixed = engine.layout.fixed_bytes
+    for i in range(3):
+        branch = engine.capsule(f"b{i}")
+        assert branch.shared_bytes == 100 * row_bytes(engine)          # the root's rows
+        assert branch.own_bytes == fixed + 10 * row_bytes(engine)
+        assert torch.equal(engine.capsule_bytes(f"b{i}"), full[f"b{i}"])
+    assert root.shared_bytes == 100 * row_bytes(engine) and root.own_bytes == fixed
+    assert engine.capsule_bytes_used == root.nbytes + 3 * (fixed + 10 * row_bytes(engine))
+
+
+def test_sibling_restore_copies_the_fixed_state_and_the_divergence_only_and_is_byte_exact():
+    engine = make()
+    full = planner(engine)
+    engine.restore("b0")
+    engine.restore("b1")
+    assert engine.last_restore_bytes == engine.layout.fixed_bytes + 10 * row_bytes(engine)
+    assert_live_is(engine, full["b1"])
+    after_sibling = greedy(engine, 6)
+    engine.reset()                                   # nothing live: a full restore
+    engine.restore("b1")
+    assert engine.last_restore_bytes == engine.capsule("b1").nbytes
+    assert greedy(engine, 6) == after_sibling
+
+
+def test_restore_after_a_rollback_below_the_capsule_rewrites_the_overwritten_rows():
+    engine = make()
+    engine.ingest(ROOT)
+    engine.ingest([7] * 20)
+    engine.snapshot("a")
+    want = engine.capsule_bytes("a").clone()
+    engine.rollback(steps=1)                         # back to 100 tokens; rows 100..119 are overwritten next
+    engine.ingest([9] * 20)
+    engine.restore("a")
+    assert engine.last_restore_bytes == engine.layout.fixed_bytes + 20 * row_bytes(engine)
+    assert_live_is(engine, want)
+
+
+def test_dropping_the_common_parent_keeps_the_shared_rows_of_its_children():
+    engine = make()
+    full = planner(engine)
+    before = engine.capsule_bytes_used
+    assert engine.drop("root") == engine.layout.fixed_bytes          # its rows are its children's too
+    assert engine.capsule_bytes_used == before - engine.layout.fixed_bytes
+    for i in range(3):
+        assert torch.equal(engine.capsule_bytes(f"b{i}"), full[f"b{i}"])
+        assert engine.capsule(f"b{i}").shared_bytes == 100 * row_bytes(engine)
+    engine.restore("b2")
+    engine.restore("b0")
+    assert_live_is(engine, full["b0"])
+    engine.drop("b1")
+    engine.drop("b2")                                # b0 alone holds the old root rows now
+    assert engine.capsule("b0").own_bytes == engine.capsule("b0").nbytes
+    assert engine.capsule_bytes_used == engine.capsule("b0").nbytes
+
+
+def test_kv_only_reset_and_reseed_restores_match_a_full_copy():
+    engine = make()
+    full = planner(engine)
+    engine.restore("b0")
+    arena = engine.arena.storage.clone()
+    engine.restore("b1", kv_only=True)               # the full-copy ablation: meta and KV rows from b1, the rest kept
+    kv, meta = engine.arena.specs["kv"], engine.arena.specs["meta"]
+    position = engine.capsule("b1").position
+    expected = arena.clone()
+    for arena_off, capsule_off, length in engine.arena.segments(position, ("meta", "kv")):
+        expected[arena_off:arena_off + length] = full["b1"][capsule_off:capsule_off + length]
+    assert torch.equal(engine.arena.storage, expected)
+    assert engine.last_restore_bytes == meta.nbytes + 10 * kv.row_bytes
+    engine.reseed(5)
+    engine.restore("b2")
+    assert_live_is(engine, full["b2"])
+    engine.reset()
+    engine.restore("b0")
+    assert engine.last_restore_bytes == engine.capsule("b0").nbytes
+    assert_live_is(engine, full["b0"])
+
+
+# ---- tiers and eviction ----------------------------------------------------------------------------------
+
+def room_for(capsules: float) -> int:
+    """A device budget of about this many 110-token capsules."""
+    return int(capsules * make().arena.live_nbytes(110))
+
+
+def lru_engine(tmp_path, **overrides) -> Engine:
+    return make(capsule_dir=str(tmp_path), capsule_evict_policy="lru", **overrides)
+
+
+def separate_capsules(engine: Engine, ids) -> dict[str, torch.Tensor]:
+    """Capsules that share nothing (a reset between them)."""
+    out = {}
+    for n, capsule_id in enumerate(ids):
+        engine.reset()
+        engine.ingest([n + 1] * 110)
+        engine.snapshot(capsule_id)
+        out[capsule_id] = engine.capsule_bytes(capsule_id).clone()
+    return out
+
+
+def tiers(engine: Engine) -> dict[str, str]:
+    return {c.id: c.tier for c in engine.capsules()}
+
+
+def test_refuse_policy_refuses_and_moves_nothing(tmp_path):
+    engine = make(capsule_dir=str(tmp_path), capsule_budget_bytes=room_for(2.5))
+    separate_capsules(engine, "ab")
+    with pytest.raises(FlashRTError) as err:
+        separate_capsules(engine, "c")
+    assert err.value.code == ErrorCode.BUDGET_EXCEEDED
+    assert tiers(engine) == {"a": "host", "b": "host"} and not list(tmp_path.iterdir())
+
+
+def test_lru_evicts_the_least_recently_used_to_disk_and_restores_it_byte_exact(tmp_path):
+    engine = lru_engine(tmp_path, capsule_budget_bytes=room_for(2.5))
+    full = separate_capsules(engine, "ab")
+    engine.restore("a")                               # b is now the least recently used
+    full.update(separate_capsules(engine, "c"))
+    assert tiers(engine) == {"a": "host", "b": "disk", "c": "host"}
+    assert capsule_file.capsule_file_ids(tmp_path) == ["b"]
+    assert torch.equal(engine.capsule_bytes("b"), full["b"])
+    engine.restore("b")                               # fetched first, evicting the LRU one (a)
+    assert tiers(engine) == {"a": "disk", "b": "host", "c": "host"}
+    assert_live_is(engine, full["b"])
+    assert capsule_file.capsule_file_ids(tmp_path) == ["a"]         # b's spill file went with its fetch
+    for capsule_id, data in full.items():
+        assert torch.equal(engine.capsule_bytes(capsule_id), data)
+    assert engine.capsule_bytes_used <= engine.capsule_budget_bytes
+
+
+def test_pinned_and_interrupted_capsules_never_leave_the_device(tmp_path):
+    engine = lru_engine(tmp_path, capsule_budget_bytes=room_for(2.5))
+    separate_capsules(engine, ["interrupted-7"])
+    engine.reset()
+    engine.ingest([5] * 110)
+    assert engine.snapshot("root", pinned=True).pinned
+    with pytest.raises(FlashRTError) as err:
+        separate_capsules(engine, "c")                # only pinned capsules could make room
+    assert err.value.code == ErrorCode.BUDGET_EXCEEDED and "would not make room" in err.value.message
+    assert tiers(engine) == {"interrupted-7": "host", "root": "host"}
+    for capsule_id in ("interrupted-7", "root"):
+        with pytest.raises(FlashRTError) as err:
+            engine.spill(capsule_id)
+        assert err.value.code == ErrorCode.INVALID_ARGUMENT and "pinned" in err.value.message
+    engine.pin("root", False)
+    separate_capsules(engine, "c")
+    assert tiers(engine) == {"interrupted-7": "host", "root": "disk", "c": "host"}
+    assert engine.pin("root").tier == "host"         # pinning fetches it back (c goes down to make room)
+    assert tiers(engine)["c"] == "disk"
+
+
+def test_host_tier_comes_first_while_it_has_room_then_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(PlatformReport, "pinned_host_tier", property(lambda self: True))
+    size = make().arena.live_nbytes(110)
+    engine = lru_engine(tmp_path, capsule_budget_bytes=room_for(1.5), capsule_host_budget_bytes=size)
+    full = separate_capsules(engine, "abc")
+    assert engine.tiers.names == ("device", "host", "disk")
+    assert [engine.store.get(i).tier for i in "abc"] == ["host", "disk", "device"]
+    assert engine.stats()["capsule_host_bytes"] == size
+    engine.restore("a")                              # from the host tier; c goes down (the host is full: disk)
+    assert [engine.store.get(i).tier for i in "abc"] == ["device", "disk", "disk"]
+    assert_live_is(engine, full["a"])
+
+
+def test_a_background_spill_leaves_the_capsule_usable_until_its_file_is_complete(tmp_path):
+    engine = make(capsule_dir=str(tmp_path))
+    full = separate_capsules(engine, "a")
+    engine.spill("a", wait=False)                    # device until the file is complete
+    engine.restore("a")
+    assert_live_is(engine, full["a"])
+    engine.tiers.wait("a")
+    assert engine.capsule("a").tier == "disk" and engine.capsule_bytes_used == 0
+    assert torch.equal(engine.capsule_bytes("a"), full["a"])
+    engine.drop("a")                                 # a spill's own file goes with its capsule
+    assert not list(tmp_path.iterdir())
+
+
+def test_capsules_on_disk_survive_a_restart_and_other_fingerprints_are_refused_with_the_reason(tmp_path):
+    engine = make(capsule_dir=str(tmp_path))
+    full = separate_capsules(engine, "ab")
+    engine.spill("a")
+    engine.export_capsule("b")
+    other = make(seed=1)
+    other.ingest([3] * 5)
+    other.snapshot("foreign")
+    capsule_file.write_capsule_file(other.store.full_capsule("foreign"), tmp_path / "foreign.capsule")
+    (tmp_path / "junk.capsule").write_bytes(b"not a capsule")
+    restarted = make(capsule_dir=str(tmp_path))
+    assert tiers(restarted) == {"a": "disk", "b": "disk"}
+    refused = dict(line.split(": ", 1) for line in restarted.capsule_dir_refused)
+    assert sorted(refused) == ["foreign.capsule", "junk.capsule"]
+    assert "another model" in refused["foreign.capsule"]
+    assert restarted.capsule_bytes_used == 0
+    restarted.restore("b", verify_checksum=True)
+    assert_live_is(restarted, full["b"])
+    assert restarted.import_capsule("a").tier == "host"      # a listed file: importing it is a fetch
+    assert torch.equal(restarted.capsule_bytes("a"), full["a"])
+    restarted.drop("b")
+    assert (tmp_path / "b.capsule").is_file()        # an indexed file is not the engine's to delete
+
+
+CRASH = textwrap.dedent("""
+    import os, signal, sys, time
+    from flashrt_ros.runtime import Engine, EngineConfig, capsule_file
+    engine = Engine(EngineConfig(model="tiny", max_context=256, prefill_chunk=16, capsule_dir=sys.argv[1]))
+    engine.ingest([4] * 200)
+    engine.snapshot("a")
+    capsule_file.CHUNK_BYTES = 4096
+    real = capsule_file._payload_chunks
+    def slow(data):
+        for n, chunk in enumerate(real(data)):
+            if n == int(sys.argv[2]):
+                os.kill(os.getpid(), signal.SIGKILL)     # dies in the middle of the spill's file
+            yield chunk
+    capsule_file._payload_chunks = slow
+    engine.spill("a")
+""")
+
+
+@pytest.mark.parametrize("chunk", [0, 3, 10_000])
+def test_a_spill_killed_mid_write_leaves_no_visible_file(tmp_path, chunk):
+    done = subprocess.run([sys.executable, "-c", CRASH, str(tmp_path), str(chunk)], capture_output=True,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=120)
+    visible = capsule_file.capsule_file_ids(tmp_path)
+    if chunk < 10_000:
+        assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+        assert visible == []                                      # at most a '.'-named temporary file
+    else:                                                         # never killed: the file is complete
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        assert visible == ["a"]
+    restarted = make(capsule_dir=str(tmp_path))
+    assert restarted.capsule_dir_refused == []
+    assert sorted(tiers(restarted)) == visible
