@@ -44,7 +44,7 @@ GGUF=$WORK/$MODEL.gguf
 log() { echo "[$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
 left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
 
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ "${PEER_WHEELS:-1}" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then   # PEER_WHEELS=0: use what is installed
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
 fi
@@ -103,7 +103,7 @@ run_phase() {
         --repeats "$REPEATS" --decode "$DECODE" --ngl $NGL --threads "$THREADS" --ubatch 2048 \
         --out "$RES/peer_llamacpp.json" 2>&1 | tail -4 | tee -a "$LOG" ;;
     ours)
-      log "ours: bench rows + full restores, contexts $CONTEXTS; then the fidelity check on the same engine"
+      log "ours: bench rows, contexts $CONTEXTS; then the fidelity check on the same engine"
       local check=""
       build_done && [ -f "$GGUF" ] && check="--fidelity $RES/fidelity.json --gguf $GGUF --binary $BUILD/bin/peer_timing
         --ngl $NGL --kv $KV --fidelity-prompt 256 --fidelity-gen 64 --fidelity-work $WORK/fidelity"
