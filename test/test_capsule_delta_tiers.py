@@ -1,6 +1,7 @@
 """Delta capsules, lineage-aware restore and the tiers below the device, case by case (the stateful test drives
 them at random): what a restore copies, what a drop frees, what eviction moves, what a restart finds on disk."""
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -284,3 +285,40 @@ def test_a_spill_killed_mid_write_leaves_no_visible_file(tmp_path, chunk):
     restarted = make(capsule_dir=str(tmp_path))
     assert restarted.capsule_dir_refused == []
     assert sorted(tiers(restarted)) == visible
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_discrete_gpu_capsules_spill_to_pinned_host_memory_and_come_back_byte_exact(tmp_path):
+    engine = lru_engine(tmp_path, device="cuda", capsule_budget_bytes=room_for(2.5))
+    if engine.platform.integrated:
+        assert engine.tiers.names == ("device", "disk")             # Jetson: no pinned-host tier
+        return
+    assert engine.tiers.names == ("device", "host", "disk")
+    full = planner(engine, branches=3)
+    engine.restore("b1")
+    assert engine.last_restore_bytes == engine.layout.fixed_bytes + 10 * row_bytes(engine)
+    assert engine.spill("b0").tier == "host" and engine.store.get("b0").host.is_pinned()
+    assert engine.spill("b2", "disk").tier == "disk"
+    for capsule_id in ("b0", "b2"):
+        assert torch.equal(engine.capsule_bytes(capsule_id).cpu(), full[capsule_id].cpu())
+        engine.restore(capsule_id)
+        assert torch.equal(engine.live_bytes().cpu(), full[capsule_id].cpu())
+
+
+def test_bench_capsules_cli_reports_sharing_and_every_tier(tmp_path, capsys):
+    from flashrt_ros.runtime import cli
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench-capsules", "--context", "128", "--branches", "4", "--branch-tokens", "16",
+                     "--repeats", "2", "--capsule-dir", str(tmp_path / "dir"), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    engine = make()
+    fixed, rows = engine.layout.fixed_bytes, row_bytes(engine)
+    assert result["one_full_capsule_bytes"] == engine.arena.live_nbytes(128)
+    assert result["delta_bytes"] == engine.arena.live_nbytes(128) + 4 * (fixed + 16 * rows)
+    assert result["full_copies_bytes"] == engine.arena.live_nbytes(128) + 4 * engine.arena.live_nbytes(144)
+    assert result["sibling_restore_bytes"] == fixed + 16 * rows
+    assert result["tiers"] == ["device", "disk"]
+    for key in ("sibling_restore_p50_ms", "full_restore_p50_ms", "copy_floor_p50_ms", "disk_spill_p50_ms",
+                "disk_fetch_p50_ms", "disk_spill_floor_ms", "export_gb_s", "import_gb_s"):
+        assert result[key] > 0, key

@@ -14,13 +14,13 @@ A planner's tree: a root at ``context`` tokens, then ``branches`` siblings, each
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from . import bench_files
 from .capsule_store import DISK, HOST
 from .engine import Engine
 from .timing import timed
@@ -76,30 +76,18 @@ def restore_figures(engine: Engine, ids: list[str], repeats: int) -> dict:
 
 
 def _link_floors(engine: Engine, nbytes: int, folder: Path, repeats: int) -> dict:
-    """Plain copies of ``nbytes`` over each link: device <-> pinned host, and host <-> a file (write + fsync, read)."""
+    """Plain copies of ``nbytes`` over each link: device <-> pinned host; device -> host + write + fsync, and read
+    (bench_files' floors, on the same folder)."""
     device = engine.device
-    data = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     out = {}
     if HOST in engine.tiers.names:
+        data = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         out["host_spill_floor_ms"] = _p50([timed(device, lambda: host.copy_(data))[1] for _ in range(repeats)])
         out["host_fetch_floor_ms"] = _p50([timed(device, lambda: data.copy_(host))[1] for _ in range(repeats)])
-    host = data.cpu()
-    path = folder / ".bench-floor"
-
-    def write():
-        with open(path, "wb") as f:
-            f.write(memoryview(host.numpy()))
-            f.flush()
-            os.fsync(f.fileno())
-
-    def read():
-        with open(path, "rb") as f:
-            f.readinto(memoryview(host.numpy()))
-        data.copy_(host)
-    out["disk_spill_floor_ms"] = _p50([timed(device, write)[1] for _ in range(repeats)])
-    out["disk_fetch_floor_ms"] = _p50([timed(device, read)[1] for _ in range(repeats)])
-    path.unlink()
+    files = bench_files.file_figures(nbytes, device, folder, None, repeats)
+    out["disk_spill_floor_ms"] = files["device_to_host_ms"] + files["write_fsync_floor_ms"]
+    out["disk_fetch_floor_ms"] = files["read_floor_ms"]
     return out
 
 
@@ -119,7 +107,7 @@ def tier_figures(engine: Engine, capsule_id: str, folder: Path, repeats: int) ->
     return out
 
 
-def file_figures(engine: Engine, capsule_id: str, repeats: int) -> dict:
+def engine_file_figures(engine: Engine, capsule_id: str, repeats: int) -> dict:
     nbytes, exports, imports = engine.capsule(capsule_id).nbytes, [], []
     for _ in range(repeats):
         exports.append(timed(engine.device, lambda: engine.export_capsule(capsule_id))[1])
@@ -139,7 +127,7 @@ def run(engine: Engine, context: int, branches: int, branch_tokens: int, repeats
               "tiers": list(engine.tiers.names), **memory_figures(engine, ids),
               **restore_figures(engine, ids, repeats)}
     result.update(tier_figures(engine, ids[-1], engine.capsule_dir, repeats))
-    result.update(file_figures(engine, ids[-2], repeats))
+    result.update(engine_file_figures(engine, ids[-2], repeats))
     result["bench_s"] = time.perf_counter() - started
     return result
 

@@ -19,7 +19,6 @@ import torch
 
 from .arena import Arena
 from .capsules import INTERRUPTED_PREFIX, Capsule, CapsuleInfo, CapsuleStore, label_nbytes
-from .errors import ErrorCode, FlashRTError
 
 FIXED = "fixed"          # the pseudo-buffer of the fixed-size state: one row of Layout.fixed_bytes
 DEVICE, HOST, DISK = "device", "host", "disk"     # tiers: the engine's device, pinned host memory, capsule_dir
@@ -199,13 +198,6 @@ class DeltaStore(CapsuleStore):
             if freed >= short:
                 return chosen
         return chosen if short <= 0 else None
-
-    def check_room(self, nbytes: int, label: str = "") -> None:
-        nbytes += label_nbytes(label)
-        if self.used_bytes + nbytes > self.budget_bytes:
-            raise FlashRTError(
-                ErrorCode.BUDGET_EXCEEDED,
-                f"capsule of {nbytes} new bytes does not fit: {self.used_bytes} of {self.budget_bytes} B in use")
 
     def drop(self, capsule_id: str) -> tuple[int, str]:
         """Remove a capsule; returns the bytes freed (its blocks no other capsule holds) and its nearest stored
