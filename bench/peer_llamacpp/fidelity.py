@@ -41,6 +41,34 @@ def our_run(engine, prompt: list[int], gen: int) -> tuple[list[int], np.ndarray]
     return tokens, np.stack(rows)
 
 
+def fp32_reference(engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """Logits of an fp32 engine on the same (bf16-valued) weights, teacher-forced along ``tokens``: the yardstick that
+    says which side's bf16 arithmetic a bf16 disagreement comes from. Eager (no CUDA graphs: the norm scales are
+    recomputed after the weights are rounded)."""
+    import torch
+
+    from flashrt_ros.runtime.engine import Engine, EngineConfig
+    cfg = engine.config
+    ref = Engine(EngineConfig(model=cfg.model, device=cfg.device, dtype="float32", seed=cfg.seed, cuda_graphs=False,
+                              max_context=len(prompt) + len(tokens) + 8, prefill_chunk=64))
+    with torch.no_grad():
+        for param in ref.model.parameters():
+            param.copy_(param.to(engine.model.output_weight().dtype).float())
+    ref.model.bind(ref.arena, ref.kernels)
+    ref.ingest(prompt)
+    rows = [ref.next_token_logits().numpy()]
+    for token in tokens:
+        ref.ingest([token])
+        rows.append(ref.next_token_logits().numpy())
+    del ref
+    return np.stack(rows)
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
 def compare(ours: np.ndarray, tokens: list[int], peer: np.ndarray, peer_tokens: list[int]) -> dict:
     """Row i: after the prompt and i of our tokens. Our argmax of row i is our token i (row N has no token)."""
     ours, peer = ours.astype(np.float64), peer.astype(np.float64)
@@ -62,8 +90,9 @@ def compare(ours: np.ndarray, tokens: list[int], peer: np.ndarray, peer_tokens: 
 
 
 def run(engine, binary: Path, prompt_len: int, gen: int, workdir: Path, ngl: int, kv: str, threads: int,
-        gguf_path: Path | None = None) -> dict:
-    """Write the GGUF (unless given), run both sides, compare. ``engine`` fixes the weights, dtype and device."""
+        gguf_path: Path | None = None, reference: bool = False) -> dict:
+    """Write the GGUF (unless given), run both sides, compare. ``engine`` fixes the weights, dtype and device. With
+    ``reference`` (a bf16 engine), both sides are also measured against an fp32 engine on the same weights."""
     from flashrt_ros.runtime.verify import prompt_tokens
 
     started = time.perf_counter()
@@ -83,6 +112,11 @@ def run(engine, binary: Path, prompt_len: int, gen: int, workdir: Path, ngl: int
     peer_meta = json.loads(summary.read_text())
     peer = np.fromfile(logits, dtype="<f4").reshape(gen + 1, peer_meta["n_vocab"])[:, :engine.vocab_size]
     result = compare(ours, tokens, peer, peer_meta["greedy_tokens"])
+    if reference and engine.config.dtype != "float32":
+        ref = fp32_reference(engine, prompt, tokens)
+        result.update({"fp32_ref_rel_l2_ours": _rel(ours, ref), "fp32_ref_rel_l2_peer": _rel(peer, ref),
+                       "fp32_ref_top1_ours": float((ours.argmax(-1) == ref.argmax(-1)).mean()),
+                       "fp32_ref_top1_peer": float((peer.argmax(-1) == ref.argmax(-1)).mean())})
     result.update({"model": engine.config.model, "dtype": engine.config.dtype, "device": engine.config.device,
                    "gguf_type": outtype, "peer_kv_cache": kv, "prompt_tokens": prompt_len,
                    "llama_cpp_commit": peer_meta["llama_cpp_commit"], "gguf_write_s": written - started,
@@ -105,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv", default=None, help="llama.cpp KV cache type (default: f32 for float32, bf16 else)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--reference", action="store_true", help="bf16: also compare both with an fp32 engine")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
@@ -113,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         kv = args.kv or ("f32" if args.dtype == "float32" else "bf16")
-        result = run(engine, args.binary, args.prompt_len, args.gen, workdir, args.ngl, kv, args.threads, args.gguf)
+        result = run(engine, args.binary, args.prompt_len, args.gen, workdir, args.ngl, kv, args.threads, args.gguf,
+                     args.reference)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = extra.fidelity_work or extra.fidelity.with_suffix(".work")
         workdir.mkdir(parents=True, exist_ok=True)
         check = fidelity.run(engine, extra.binary, extra.fidelity_prompt, extra.fidelity_gen, workdir, extra.ngl,
-                             extra.kv, threads=os.cpu_count() or 1, gguf_path=extra.gguf)
+                             extra.kv, threads=os.cpu_count() or 1, gguf_path=extra.gguf, reference=True)
         extra.fidelity.write_text(json.dumps(check, indent=2) + "\n")
     return 0
 

@@ -114,7 +114,7 @@ run_phase() {
       [ -f "$RES/fidelity.json" ] || {
         log "fidelity: 256-token prompt, 64 greedy tokens, llama.cpp KV $KV"
         python3 $HERE/fidelity.py --model "$MODEL" --dtype "$DTYPE" --device "$DEVICE" --gguf "$GGUF" \
-          --binary "$BUILD/bin/peer_timing" --ngl $NGL --kv $KV --prompt-len 256 --gen 64 --workdir "$WORK/fidelity" \
+          --binary "$BUILD/bin/peer_timing" --ngl $NGL --kv $KV --prompt-len 256 --gen 64 --workdir "$WORK/fidelity" --reference \
           --out "$RES/fidelity.json" > /dev/null 2>> "$LOG" || return 1; }
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [d.pop(k) for k in ('our_tokens','peer_tokens')]; print(d)" \
         "$RES/fidelity.json" | tee -a "$LOG" ;;
