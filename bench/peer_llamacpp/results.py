@@ -73,13 +73,18 @@ def table(rows: list[tuple[dict, dict, dict]]) -> str:
 
 
 def fidelity_line(f: dict) -> str:
-    return (f"- **Fidelity** ({f['model']}, {f['dtype']} on {f['device']}, GGUF {f['gguf_type']}, llama.cpp KV "
+    line = (f"- **Fidelity** ({f['model']}, {f['dtype']} on {f['device']}, GGUF {f['gguf_type']}, llama.cpp KV "
             f"{f['peer_kv_cache']}, prompt {f['prompt_tokens']} tokens, {f['greedy_tokens']} greedy tokens): top-1 "
             f"agreement {f['top1_agreement']:.3f} over {f['rows']} teacher-forced rows; llama.cpp's own greedy "
             f"continuation equals ours for {f['greedy_tokens_equal']}/{f['greedy_tokens']} tokens (common prefix "
             f"{f['greedy_common_prefix']}); logit correlation min {f['logit_corr_min']:.6f} (mean "
             f"{f['logit_corr_mean']:.6f}), relative L2 {f['rel_l2']:.2e}, max |diff| {f['logit_max_abs_diff']:.3g} "
             f"(logit std {f['logit_std']:.3g}).")
+    if "fp32_ref_rel_l2_ours" in f:
+        line += (f" Against an fp32 engine on the same bf16 weights: ours {f['fp32_ref_rel_l2_ours']:.2e} (top-1 "
+                 f"{f['fp32_ref_top1_ours']:.3f}), llama.cpp {f['fp32_ref_rel_l2_peer']:.2e} (top-1 "
+                 f"{f['fp32_ref_top1_peer']:.3f}).")
+    return line
 
 
 def readme_row(rows: list[tuple[dict, dict, dict]], peer: dict) -> str:
