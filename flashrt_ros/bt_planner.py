@@ -4,7 +4,7 @@ The tree tries every candidate instruction from the same starting state and keep
 
     Selector "plan or recover"
       Sequence "plan"
-        Snapshot "root"                  live state -> capsule (blackboard: root)
+        Snapshot "root"                  live state -> capsule, pinned to the device (blackboard: root)
         FailureIsSuccess(Sequence "branch i")   one per candidate; a failed branch is just skipped
           Restore root -> Generate candidate i -> Score -> Snapshot (blackboard: capsule_i)
         SelectBest                       highest score wins, ties go to the earlier candidate
@@ -103,14 +103,14 @@ class _Request(py_trees.behaviour.Behaviour):
 
 
 class Snapshot(_Request):
-    """Snapshot the live state; the new capsule's info goes to ``key``."""
+    """Snapshot the live state; the new capsule's info goes to ``key``. ``pinned``: it never leaves the device."""
 
-    def __init__(self, name, client, namespace, key, label):
+    def __init__(self, name, client, namespace, key, label, pinned=False):
         super().__init__(name, client, namespace, writes=[key])
-        self.key, self.label = key, label
+        self.key, self.label, self.pinned = key, label, pinned
 
     def send(self):
-        return self.client.call_async("snapshot", label=self.label)
+        return self.client.call_async("snapshot", label=self.label, pinned=self.pinned)
 
     def on_success(self, response):
         self.bb.set(self.key, response.capsule)
@@ -229,7 +229,7 @@ def build_tree(client, candidates, namespace, *, scorer=score_tokens, max_new_to
     ]
     capsule_keys = ["root"] + [f"capsule_{i}" for i in range(len(candidates))]
     plan = py_trees.composites.Sequence("plan", memory=True, children=[
-        Snapshot("snapshot root", client, namespace, "root", "plan root"),
+        Snapshot("snapshot root", client, namespace, "root", "plan root", pinned=True),  # every branch restores it
         *[py_trees.decorators.FailureIsSuccess(f"try {b.name}", b) for b in branches],
         SelectBest("select best", namespace, len(candidates)),
         Restore("restore chosen", client, namespace, "chosen"),

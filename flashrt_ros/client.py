@@ -219,8 +219,8 @@ class FlashRTClient:
         return self.wait(self.call_async(service, **fields), timeout)
 
     # -- services --------------------------------------------------------------------------------
-    def snapshot(self, label: str = "", capsule_id: str = ""):
-        return self.call("snapshot", capsule_id=capsule_id, label=label)
+    def snapshot(self, label: str = "", capsule_id: str = "", pinned: bool = False):
+        return self.call("snapshot", capsule_id=capsule_id, label=label, pinned=pinned)
 
     def restore(self, capsule_id: str, verify_checksum: bool = False):
         return self.call("restore", capsule_id=capsule_id, verify_checksum=verify_checksum)

@@ -83,7 +83,7 @@ OPERATIONS: dict = {o.op: o for o in (
               ("observation", *SAMPLING_FIELDS)),
     Operation("cancel", "action", "generate", "flashrt_ros/action/Generate", "cancel", ("request_id",)),
     Operation("snapshot", "service", "snapshot", "flashrt_ros/srv/Snapshot", "snapshot",
-              ("capsule_id", "label"), result=CapsuleResult),
+              ("capsule_id", "label", "pinned"), result=CapsuleResult),
     Operation("restore", "service", "restore", "flashrt_ros/srv/Restore", "restore",
               ("capsule_id", "verify_checksum"), True, CapsuleResult),
     Operation("fork", "service", "fork", "flashrt_ros/srv/Fork", "fork",

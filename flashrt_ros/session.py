@@ -113,6 +113,7 @@ class EventOutput:
     capsule_id: str = ""
     source_id: str = ""
     label: str = ""
+    pinned: bool = False
     steps: int = 0
     switch_to: bool = False
     verify_checksum: bool = False
@@ -425,9 +426,9 @@ class Session:
             pass  # the event carries the reason; the stream simply is not resumable
 
     # ---- state operations ---------------------------------------------------------------------
-    def snapshot(self, capsule_id: str = "", label: str = "") -> CapsuleResult:
+    def snapshot(self, capsule_id: str = "", label: str = "", pinned: bool = False) -> CapsuleResult:
         return self._operation("snapshot", lambda: self._capsule(self.engine.snapshot(
-            self._client_id(capsule_id), label)), {"capsule_id": capsule_id, "label": label})
+            self._client_id(capsule_id), label, pinned)), {"capsule_id": capsule_id, "label": label, "pinned": pinned})
 
     def restore(self, capsule_id: str, verify_checksum: bool = False) -> CapsuleResult:
         return self._operation("restore", lambda: self._replacing(lambda: self._capsule(

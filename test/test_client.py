@@ -49,7 +49,8 @@ def test_service_helpers_return_the_node_responses(fresh):
 
     fork = fresh.fork("cup", capsule_id="cup2")
     assert fork.success and fork.capsule.parent == "cup"
-    assert fresh.drop("cup2").freed_bytes > 0
+    assert fork.capsule.shared_bytes == fork.capsule.bytes > 0     # a fork shares every block of its source
+    assert fresh.drop("cup2").freed_bytes == 0                      # ... so dropping it frees nothing
     assert [c.id for c in fresh.list().capsules] == ["cup"]
 
 
