@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,26 +68,32 @@ def lifecycle_state(node: str) -> str:
     return ros2("lifecycle", "get", node).split()[0]
 
 
-def wait_for_state(client, state: int, log: Path, timeout: float = 60.0) -> None:
-    """Wait (in-process, cheaper than polling the CLI) until the node is in lifecycle ``state``."""
+def wait_for_state(client, state: int, log: Path, timeout: float = 120.0) -> None:
+    """Wait (in-process, cheaper than polling the CLI) until the node is in lifecycle ``state``.
+
+    A process started by `ros2 launch` / `ros2 run` may take long to answer on a loaded machine (its
+    services appear before it spins, and a request sent before the reply path matched is lost), so an
+    unanswered get_state is sent again every few seconds until the deadline."""
     deadline = time.monotonic() + timeout
-    service = f"{client.target}/get_state"
-    # The process may still be importing (torch, the ROS wheels' re-exec): wait for its service to appear
-    # within the same deadline, not only the 10 s that RosClient.call gives a service it assumes is up.
-    while service not in dict(client.node.get_service_names_and_types()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"{service} did not appear within {timeout} s; log:\n{log.read_text()}")
-        time.sleep(0.2)
-    while time.monotonic() < deadline:
-        if client.call(GetState, "get_state", timeout=timeout).current_state.id == state:
-            return
-        time.sleep(0.2)
+    get_state = client.node.create_client(GetState, f"{client.target}/get_state")
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            answered = threading.Event()
+            future = get_state.call_async(GetState.Request())
+            future.add_done_callback(lambda _, done=answered: done.set())
+            if answered.wait(min(5.0, left)) and future.result().current_state.id == state:
+                return
+            time.sleep(0.2)
+    finally:
+        client.node.destroy_client(get_state)
     pytest.fail(f"{client.target} did not reach state {state} within {timeout} s; log:\n{log.read_text()}")
 
 
 def wait_for_daemon(node: str, timeout: float = 30.0) -> None:
-    """Wait until the ros2 daemon (started by the first call) lists ``node``: `ros2 param` asks the daemon
-    for node names and says "Node not found" while a freshly started one has not discovered it yet."""
+    """Wait until the ros2 daemon lists ``node``: `ros2 param` asks the daemon for node names and says
+    "Node not found" while a freshly started one has not discovered it yet. The daemon is started first:
+    a call that finds none spawns it but answers from a node of its own, so it would prove nothing."""
+    ros2("daemon", "start")
     deadline = time.monotonic() + timeout
     while node not in ros2("node", "list").split():
         if time.monotonic() > deadline:
