@@ -315,7 +315,9 @@ def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
     torch.cuda.synchronize()
     assert_same_bytes("graph replay output vs eager", captured, eager)
     assert_same_bytes("graph replay state vs eager", arena.state, eager_state)
-    count = torch.tensor(max(1, length - 3), device=DEVICE)
+    if length == 1:
+        return   # a one-row launch is a decode step: it has no padding rows (pieces are buckets of 8 or more)
+    count = torch.tensor(length - 3, device=DEVICE)
     padded_state, alone_state = start.clone(), start.clone()
     n = int(count)
     padded = delta_rule.gated_delta_rule_triton(*poison_rows(inputs, n), padded_state, count)
@@ -358,7 +360,9 @@ def test_gpu_attention_prefill_runs_flash_without_repeated_kv(layout, length, sp
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = attention.attention_prefill(q, keys, values)
     ops = {event.name for event in prof.events()}
-    assert "aten::_scaled_dot_product_flash_attention" in ops or "aten::_flash_attention_forward" in ops, ops
+    fused = {"aten::_scaled_dot_product_flash_attention", "aten::_flash_attention_forward",
+             "aten::_scaled_dot_product_cudnn_attention"}   # SDPA picks cuDNN's flash kernel on sm_90 (seen on the H200)
+    assert fused & ops, ops
     assert "aten::repeat_interleave" not in ops, ops
     ref = attention.attention_causal(q, keys, values)
     assert_within("flash GQA vs repeated K/V", out, ref, 1e-2)
