@@ -12,14 +12,15 @@ import dataclasses
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
 from flashrt_ros.runtime.capsules import label_nbytes
 
-# room for about three capsules at full context: snapshots, forks and fetches evict (lru) to disk
+# room for about six capsules at full context: snapshots, forks and fetches evict (lru) to disk
 CONFIG = EngineConfig(model="tiny", max_context=160, prefill_chunk=16, history_depth=6,
-                      capsule_budget_bytes=300_000)
+                      capsule_budget_bytes=600_000)
 IDS = ("a", "b", "c", "d", "e", "f")
 _ENGINES: dict[str, Engine] = {}
 
@@ -138,12 +139,27 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.capsules)
     @rule(data=st.data(), kv_only=st.booleans())
     def restore(self, data, kv_only):
-        capsule_id = self.some_id(data)
+        self.restore_id(self.some_id(data), kv_only)
+
+    def restore_id(self, capsule_id, kv_only=False):
         if not self.allowed(lambda: self.engine.restore(capsule_id, kv_only=kv_only)):
             return
         self.load(self.capsules[capsule_id], self.engine.capsule(capsule_id).position,
                   ("meta", "kv") if kv_only else None)
         self.boundaries = [self.fixed()]
+
+    @precondition(lambda self: len(self.capsules) < len(IDS) and len(self.engine._boundaries) > 1)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 511), min_size=1, max_size=40))
+    def retry(self, data, tokens):
+        """A planner's retry: keep the state, go one boundary back, continue differently, then come back (the
+        new rows overwrite rows the capsule holds, so the restore must rewrite them)."""
+        capsule_id = self.free_id(data)
+        if not self.allowed(lambda: self.engine.snapshot(capsule_id)):
+            return
+        self.capsules[capsule_id] = self.live()
+        self.rollback_steps(1)
+        self.ingest(tokens)
+        self.restore_id(capsule_id)
 
     @rule(steps=st.sampled_from([1, 1, 2, 4]))
     def rollback_steps(self, steps):
@@ -256,11 +272,10 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         assert not [p for p in self.folder.iterdir() if p.name.startswith(".")], "a temporary file is left"
 
 
-CapsuleStoreMachine.TestCase.settings = settings(
-    max_examples=50, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
 def test_capsule_store_matches_the_full_copy_model(tmp_path):
     CapsuleStoreMachine.folder = tmp_path
-    CapsuleStoreMachine.TestCase("runTest").runTest()
+    run_state_machine_as_test(CapsuleStoreMachine, settings=SETTINGS)
