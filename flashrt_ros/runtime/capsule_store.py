@@ -19,6 +19,7 @@ import torch
 
 from .arena import Arena
 from .capsules import INTERRUPTED_PREFIX, Capsule, CapsuleInfo, CapsuleStore, label_nbytes
+from .errors import ErrorCode, FlashRTError
 
 FIXED = "fixed"          # the pseudo-buffer of the fixed-size state: one row of Layout.fixed_bytes
 DEVICE, HOST, DISK = "device", "host", "disk"     # tiers: the engine's device, pinned host memory, capsule_dir
@@ -149,10 +150,23 @@ class DeltaStore(CapsuleStore):
         return (sum(b.nbytes for b in self._blocks.values())
                 + sum(label_nbytes(c.info.label) for c in self._capsules.values()))
 
+    def check_room(self, nbytes: int, label: str = "") -> None:
+        """Refuse unless ``nbytes`` more device bytes and a capsule with this label fit in the budget."""
+        nbytes += label_nbytes(label)
+        if self.used_bytes + nbytes > self.budget_bytes:
+            raise FlashRTError(
+                ErrorCode.BUDGET_EXCEEDED,
+                f"capsule of {nbytes} B does not fit: {self.used_bytes} of {self.budget_bytes} B in use")
+
     def added_bytes(self, capsule: StoredCapsule) -> int:
         """The blocks of this capsule not held yet."""
         fresh = {b.id: b for segs in capsule.rows.values() for b, _, _ in segs if b.id not in self._blocks}
         return sum(b.nbytes for b in fresh.values())
+
+    def add(self, capsule: StoredCapsule, lineage_parent: str) -> None:
+        """Store a capsule within the budget (its new blocks and its label)."""
+        self.check_room(self.added_bytes(capsule), capsule.info.label)
+        super().add(capsule, lineage_parent)
 
     def add_rows(self, info: CapsuleInfo, fingerprint: str, rows: dict[str, tuple[Segment, ...]],
                  lineage_parent: str, pinned: bool = False) -> StoredCapsule:
@@ -204,7 +218,7 @@ class DeltaStore(CapsuleStore):
         ancestor."""
         stored = self.get(capsule_id)
         before = self.used_bytes + self.host_bytes
-        _, parent = super().drop(capsule_id)
+        parent = super().drop(capsule_id)
         self.release(stored)
         stored.host = None
         return before - self.used_bytes - self.host_bytes, parent

@@ -69,7 +69,9 @@ class Capsule:
 
 
 class CapsuleStore:
-    """Capsules by id, in creation order, within a byte budget. Failed calls change nothing."""
+    """Capsules by id, in creation order, with their lineage and the automatic numbering. What they hold and the
+    byte budget are the subclass's (:class:`flashrt_ros.runtime.capsule_store.DeltaStore`). Failed calls change
+    nothing."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
@@ -77,11 +79,6 @@ class CapsuleStore:
         # lineage: stored id -> nearest stored ancestor ("" = none); a drop re-points its children
         self._parents: dict[str, str] = {}
         self._counter = 0
-
-    @property
-    def used_bytes(self) -> int:
-        """Payload and label bytes of every stored capsule."""
-        return sum(c.info.nbytes + label_nbytes(c.info.label) for c in self._capsules.values())
 
     def __contains__(self, capsule_id: str) -> bool:
         return capsule_id in self._capsules
@@ -109,39 +106,23 @@ class CapsuleStore:
             number += 1
         return f"c{number:04d}"
 
-    def check_room(self, nbytes: int, label: str = "") -> None:
-        """Refuse unless a capsule of ``nbytes`` payload bytes with this label fits in the budget."""
-        nbytes += label_nbytes(label)
-        if self.used_bytes + nbytes > self.budget_bytes:
-            raise FlashRTError(
-                ErrorCode.BUDGET_EXCEEDED,
-                f"capsule of {nbytes} B does not fit: {self.used_bytes} of {self.budget_bytes} B in use")
-
-    def added_bytes(self, capsule: Capsule) -> int:
-        """The payload bytes storing this capsule adds (a store that shares bytes counts less)."""
-        return capsule.info.nbytes
-
     def add(self, capsule: Capsule, lineage_parent: str) -> None:
         """Store a capsule; ``lineage_parent`` is a stored capsule it descends from, or ""."""
-        self.check_room(self.added_bytes(capsule), capsule.info.label)
         self._capsules[capsule.info.id] = capsule
         self._parents[capsule.info.id] = lineage_parent if lineage_parent in self._capsules else ""
         numbered = _AUTO_ID.fullmatch(capsule.info.id)
         if numbered:   # ids given explicitly (e.g. by a bag replay) move the numbering on, as when picked here
             self._counter = max(self._counter, int(numbered.group(1)))
 
-    def drop(self, capsule_id: str) -> tuple[int, str]:
-        """Remove a capsule; returns its bytes and its nearest stored ancestor, which its children now descend from."""
-        capsule = self.get(capsule_id)
+    def drop(self, capsule_id: str) -> str:
+        """Remove a capsule; returns its nearest stored ancestor, which its children now descend from."""
+        self.get(capsule_id)
         del self._capsules[capsule_id]
         parent = self._parents.pop(capsule_id)
         for child, ancestor in self._parents.items():
             if ancestor == capsule_id:
                 self._parents[child] = parent
-        return capsule.info.nbytes, parent
-
-    def infos(self) -> list[CapsuleInfo]:
-        return [c.info for c in self._capsules.values()]
+        return parent
 
     def ancestors(self, capsule_id: str) -> list[str]:
         """capsule_id, then its stored ancestors, nearest first."""
