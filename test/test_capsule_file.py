@@ -227,6 +227,16 @@ def test_the_checksum_is_its_definition_in_any_number_of_chunks(size, monkeypatc
     assert checksum(data) == checksum_module.checksum_torch(data)
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.binary(max_size=200), cuts=st.lists(st.integers(0, 200), max_size=6), odd_offset=st.booleans())
+def test_the_checksum_of_parts_is_the_checksum_of_their_concatenation(data, cuts, odd_offset):
+    """Parts of any lengths (not word multiples, empty ones, views at odd byte offsets) checksum as one buffer."""
+    whole = torch.tensor(list(b"x" * odd_offset + data), dtype=torch.uint8)[int(odd_offset):]
+    bounds = sorted({0, len(data), *(min(c, len(data)) for c in cuts)})
+    parts = [whole[lo:hi] for lo, hi in zip(bounds, bounds[1:])] + [whole[:0]]
+    assert checksum(parts) == checksum(whole) == reference_checksum(data)
+
+
 def test_the_checksum_covers_the_length():
     data = torch.tensor([1, 2, 3], dtype=torch.uint8)
     assert checksum(data) != checksum(torch.tensor([1, 2, 3, 0], dtype=torch.uint8))

@@ -522,3 +522,48 @@ def test_dropping_the_restored_capsule_releases_its_bytes_and_keeps_rollback_wor
     greedy(engine, 2)
     assert engine.rollback(steps=2) == start + 1
     assert torch.equal(engine.live_bytes(), before)
+
+
+def test_stored_checksums_are_computed_in_place_and_equal_the_bytes_checksum(engine):
+    """A snapshot's checksum (over its blocks, shared rows included) and the live checksum (over the arena's byte
+    ranges) equal the checksum of the full bytes; verify_checksum accepts the capsule and a child sharing its rows."""
+    root = engine.snapshot(capsule_id="root")
+    assert root.checksum == checksum(engine.capsule_bytes("root")) == engine.live_checksum()
+    greedy(engine, 3)
+    child = engine.snapshot(capsule_id="child")                   # shares root's rows
+    assert engine.store.info("child").shared_bytes > 0
+    assert child.checksum == checksum(engine.capsule_bytes("child")) == engine.live_checksum()
+    dirty(engine)
+    assert engine.restore("child", verify_checksum=True).checksum == child.checksum
+
+
+OPERATIONS = st.lists(st.tuples(st.sampled_from(["ingest", "generate", "snapshot", "restore", "rollback", "reset",
+                                                 "fork", "bad_ingest"]), st.integers(1, 3)), min_size=1, max_size=12)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(operations=OPERATIONS)
+def test_the_engine_knows_the_live_position_without_reading_the_arena(engine, operations):
+    """The host-side position (no device sync) equals the arena's after every operation, refused ones included."""
+    for operation, n in operations:
+        capsules = engine.capsules()
+        try:
+            if operation == "ingest":
+                engine.ingest(PROMPT[:n])
+            elif operation == "generate":
+                greedy(engine, n)
+            elif operation == "snapshot":
+                engine.snapshot()
+            elif operation == "restore" and capsules:
+                engine.restore(capsules[n % len(capsules)].id)
+            elif operation == "rollback":
+                engine.rollback(steps=n)
+            elif operation == "reset":
+                engine.reset()
+            elif operation == "fork" and capsules:
+                engine.fork(capsules[n % len(capsules)].id, switch=True)
+            elif operation == "bad_ingest":
+                engine.ingest([0] * (engine.max_context + n))
+        except FlashRTError:
+            pass
+        assert engine.position == engine.arena.position(), operation

@@ -66,6 +66,11 @@ def segment_bytes(segment: Segment) -> torch.Tensor:
     return block.data[(lo - block.start) * block.row_bytes:(hi - block.start) * block.row_bytes]
 
 
+def row_parts(rows: dict[str, tuple[Segment, ...]]) -> list[torch.Tensor]:
+    """A capsule's bytes as views of its blocks, in capsule layout order (FIXED first): concatenated, its bytes."""
+    return [segment_bytes(s) for segs in rows.values() for s in segs]
+
+
 @dataclasses.dataclass(eq=False)
 class StoredCapsule:
     """A stored capsule: its info and its bytes: on the device tier its segments per buffer (FIXED first), on the
@@ -254,7 +259,7 @@ class DeltaStore(CapsuleStore):
         stored = self.get(capsule_id)
         if stored.host is not None:
             return stored.host.clone() if out is None else out.copy_(stored.host)
-        parts = [segment_bytes(s) for segs in stored.rows.values() for s in segs]
+        parts = row_parts(stored.rows)
         if out is None:
             return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
         offset = 0

@@ -13,7 +13,9 @@ is the 128-bit pair (sum of h_i, sum of h_i**2 + byte length) mod 2**64.
 Unlike a linear sum (sum of c_i * w_i), whose edits cancel when the attacker solves one linear equation per sum
 (3 chosen words suffice), an edit of any number of words changes the sums by differences of pseudo-random 64-bit
 values. Wrapping integer sums are order-independent, so CPU, torch-CUDA and the optional CuPy kernel (one fused
-pass, no temporaries) agree exactly.
+pass, no temporaries) agree exactly. Because each word's hash depends only on its value and its index, a buffer
+given as several parts (a capsule's shared blocks, the live arena's byte ranges) is checksummed in place, each part
+at its word offset: no concatenated copy.
 """
 from __future__ import annotations
 
@@ -26,11 +28,12 @@ _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 
 _CUDA_SOURCE = r"""
-extern "C" __global__ void flashrt_checksum(const int* words, unsigned long long n, unsigned long long* out) {
+extern "C" __global__ void flashrt_checksum(const int* words, unsigned long long n, unsigned long long base,
+                                             unsigned long long* out) {
     unsigned long long s1 = 0, s2 = 0;
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
-        unsigned long long h = (i * 0x9E3779B97F4A7C15ULL + (unsigned long long)(long long)words[i])
+        unsigned long long h = ((base + i) * 0x9E3779B97F4A7C15ULL + (unsigned long long)(long long)words[i])
                                * 0xBF58476D1CE4E5B9ULL;
         h = (h ^ (h >> 32)) * 0x94D049BB133111EBULL;
         h ^= h >> 29;
@@ -73,37 +76,71 @@ def _format(s1: int, s2: int, nbytes: int) -> str:
     return f"{s1 & _MASK64:016x}{(s2 + nbytes) & _MASK64:016x}"
 
 
-def checksum_torch(data: torch.Tensor) -> str:
-    words = _as_words(data)
-    s1 = torch.zeros((), dtype=torch.int64, device=words.device)
-    s2 = torch.zeros((), dtype=torch.int64, device=words.device)
-    for start in range(0, words.numel(), _CHUNK_WORDS):
-        h = _mix(words[start:start + _CHUNK_WORDS], start)
-        s1 += h.sum()
-        s2 += h.mul_(h).sum()
-    return _format(int(s1), int(s2), data.numel())
+def checksum_torch(data) -> str:
+    parts = _words_at(data)
+    s1 = torch.zeros((), dtype=torch.int64, device=parts[0][0].device if parts else "cpu")
+    s2 = torch.zeros_like(s1)
+    for words, base in parts:
+        for start in range(0, words.numel(), _CHUNK_WORDS):
+            h = _mix(words[start:start + _CHUNK_WORDS], base + start)
+            s1 += h.sum()
+            s2 += h.mul_(h).sum()
+    return _format(int(s1), int(s2), _nbytes(data))
 
 
-def checksum_cupy(data: torch.Tensor) -> str:
-    """One fused pass on the GPU (grid-stride loop, warp reduction, two atomics): no int64 temporaries."""
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream(data.device).cuda_stream):
-        words = cupy.from_dlpack(_as_words(data))
+def checksum_cupy(data) -> str:
+    """One fused pass per part on the GPU (grid-stride loop, warp reduction, two atomics): no int64 temporaries."""
+    parts = _words_at(data)
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream(parts[0][0].device).cuda_stream):
         out = cupy.zeros(2, dtype=cupy.uint64)
-        blocks = max(1, min(-(-words.size // 256), 4096))
-        _cupy_kernel((blocks,), (256,), (words, cupy.uint64(words.size), out))
+        for words, base in parts:
+            words = cupy.from_dlpack(words)
+            blocks = max(1, min(-(-words.size // 256), 4096))
+            _cupy_kernel((blocks,), (256,), (words, cupy.uint64(words.size), cupy.uint64(base), out))
         s1, s2 = (int(x) for x in out.get())
-    return _format(s1, s2, data.numel())
+    return _format(s1, s2, _nbytes(data))
 
 
-def checksum(data: torch.Tensor) -> str:
-    """Checksum of a uint8 tensor (any device)."""
+def checksum(data) -> str:
+    """Checksum of a uint8 tensor, or of the concatenation of a sequence of uint8 tensors on one device."""
     global _cupy_kernel
-    if _cupy_kernel is not None and data.is_cuda:
+    parts = _parts(data)
+    if not parts:
+        return _format(0, 0, 0)
+    if _cupy_kernel is not None and parts[0].is_cuda:
         try:
-            return checksum_cupy(data)
+            return checksum_cupy(parts)
         except Exception:  # noqa: BLE001 - e.g. no NVRTC: fall back to torch, which gives the same value
             _cupy_kernel = None
-    return checksum_torch(data)
+    return checksum_torch(parts)
+
+
+def _parts(data) -> list[torch.Tensor]:
+    return [p for p in ([data] if isinstance(data, torch.Tensor) else data) if p.numel()]
+
+
+def _nbytes(data) -> int:
+    return sum(p.numel() for p in _parts(data))
+
+
+def _words_at(data) -> list[tuple[torch.Tensor, int]]:
+    """int32 words of each part and the index of its first word in the concatenation. A part whose length is not a
+    multiple of 4 joins the next (a copy, only then), so every word is the one the concatenation has there."""
+    out, base, carry = [], 0, None
+    for part in _parts(data):
+        if carry is not None:
+            part = torch.cat([carry, part.to(carry.device)])
+            carry = None
+        whole = part.numel() // 4 * 4
+        if whole:
+            words = part[:whole] if part.storage_offset() % 4 == 0 else part[:whole].clone()
+            out.append((words.view(torch.int32), base))
+            base += whole // 4
+        if whole < part.numel():
+            carry = part[whole:]
+    if carry is not None:
+        out.append((_as_words(carry), base))
+    return out
 
 
 def _as_words(data: torch.Tensor) -> torch.Tensor:

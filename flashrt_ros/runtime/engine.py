@@ -20,7 +20,7 @@ import torch
 from . import capsule_file as capsule_io
 from .arena import RNG_COUNTER, RNG_SEED, Arena, buffer_specs
 from .capsule_store import (DEVICE, DISK, FIXED, Block, DeltaStore, Layout, LiveRows, StoredCapsule, is_pinned,
-                            rows_of_full)
+                            row_parts, rows_of_full)
 from .capsules import CapsuleInfo, label_nbytes
 from .checksum import checksum
 from .config import PRESETS
@@ -138,6 +138,7 @@ class Engine:
                                                            f"{self.model_config.max_position_embeddings} positions")
         self.tokenizer = load_tokenizer(folder)
         self.arena = Arena(buffer_specs(self.model_config, cfg.max_context, dtype), self.device)
+        self._position: int | None = None                     # see the position property
         self.kernels, self.kernel_reason = kernel_sets.select(cfg.kernels, self.device, cfg.use_fla)
         _log.info("kernels: %s (%s)", self.kernels.name, self.kernel_reason)
         self.kernel_name = self.kernels.name
@@ -187,7 +188,15 @@ class Engine:
 
     @property
     def position(self) -> int:
-        return self.arena.position()
+        """The live position. Every operation that moves it records where it ends (``_moved_to``), so reading it
+        costs no device sync; after an operation that failed part-way it is read from the arena once."""
+        if self._position is None:
+            self._position = self.arena.position()
+        return self._position
+
+    def _moved_to(self, position: int | None) -> None:
+        """Record the live position an operation ends at (None: unknown, read from the arena when next needed)."""
+        self._position = position
 
     @property
     def arena_bytes(self) -> int:
@@ -330,11 +339,13 @@ class Engine:
     def ingest(self, token_ids: Sequence[int]) -> int:
         """Append tokens to the context (chunked prefill); returns the new position."""
         started = time.perf_counter()
-        start = self.position                      # one read of the arena (a device sync on CUDA)
+        start = self.position
         ids = self._check_tokens(token_ids, start)
         if ids:
             self._live_rows.truncate(start)
+            self._moved_to(None)
             self._feed(start, ids)
+            self._moved_to(start + len(ids))
             self._push_boundary(start + len(ids))
             self._last_ingest_s = time.perf_counter() - started
         return start + len(ids)
@@ -362,8 +373,10 @@ class Engine:
                 self._sampling = params
             kv_len = self._kv_bucket(position + 1)
             self._live_rows.truncate(position)
+            self._moved_to(None)
             self.graphs.run(("decode", params.greedy, kv_len), self._decode_step(params.greedy, kv_len))
             token = int(self._tokens[0])
+            self._moved_to(position + 1)
             self._push_boundary(position + 1)
             elapsed = time.perf_counter() - started
             if index == 0:
@@ -390,6 +403,7 @@ class Engine:
         """Empty context, sampler reseeded to the configured seed; capsules are kept."""
         self.arena.storage.zero_()
         self.arena["meta"][RNG_SEED] = self.config.seed
+        self._moved_to(0)
         self.live_parent = ""
         self._live_rows.clear()
         self._restart_history()
@@ -452,7 +466,7 @@ class Engine:
         rows = self._take_rows(plan, position)
         info = CapsuleInfo(id=new_id, parent=parent, label=label, position=position,
                            nbytes=self.layout.nbytes(position), tier="device" if self.device.type == "cuda" else "host",
-                           checksum=self.live_checksum() if self.config.checksum_on_snapshot else "",
+                           checksum=checksum(row_parts(rows)) if self.config.checksum_on_snapshot else "",
                            created=time.time())
         self.store.add_rows(info, self.fingerprint, rows, lineage_parent=parent)
         for name in self.layout.row_bytes:
@@ -557,7 +571,7 @@ class Engine:
         if verify_checksum:
             if not capsule.info.checksum:
                 raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule {capsule_id!r} has no stored checksum")
-            if checksum(self.capsule_bytes(capsule_id)) != capsule.info.checksum:
+            if self._capsule_checksum(capsule) != capsule.info.checksum:
                 raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"capsule {capsule_id!r} is corrupted: its bytes "
                                                                 f"no longer match its checksum")
         if fetch:
@@ -573,6 +587,7 @@ class Engine:
     def _load(self, capsule: StoredCapsule, kv_only: bool = False) -> None:
         """Make the capsule live: its fixed state, and only the KV rows the live arena does not already hold."""
         position, fixed = capsule.info.position, capsule.rows[FIXED][0][0]
+        self._moved_to(None)
         self.arena.write_live(0, fixed.data, names=("meta",) if kv_only else None)
         copied = self.arena.specs["meta"].nbytes if kv_only else fixed.nbytes
         for name in ("kv",) if kv_only else self.layout.row_bytes:
@@ -582,6 +597,7 @@ class Engine:
             self._live_rows.set(name, segments, position)
             copied += max(0, position - start) * self.layout.row_bytes[name]
         self.last_restore_bytes = copied      # what this restore wrote (a sibling: the fixed state + divergence)
+        self._moved_to(position)
         self._live_rows.truncate(position)
         self.live_parent = capsule.info.id
         self.store.touch(capsule.info.id)
@@ -635,11 +651,13 @@ class Engine:
             self._boundaries.pop()
         target = self._boundaries[-1]
         position = target.position
+        self._moved_to(None)
         if target.fixed is not None:
             self.arena.write_live(0, target.fixed.data)
         else:
             self.arena.storage[:self._fixed_span].copy_(self._history[target.slot])
             self._next_slot = (target.slot + 1) % self.config.history_depth
+        self._moved_to(position)
         self._live_rows.truncate(position)
         self.live_parent = next((a for a in self.store.ancestors(self.live_parent)
                                  if self.store.get(a).info.position <= position), "")
@@ -673,12 +691,18 @@ class Engine:
 
     @torch.inference_mode()
     def live_checksum(self) -> str:
-        return checksum(self._copy_live(self.position))
+        """The checksum of the live state's bytes, computed in place (equal to its capsule's)."""
+        return checksum([self.arena.storage[offset:offset + length]
+                         for offset, _, length in self.arena.segments(self.position)])
 
     @torch.inference_mode()
     def live_bytes(self) -> torch.Tensor:
         """A copy of the live state's bytes in capsule layout (for byte-exact checks)."""
         return self._copy_live(self.position)
+
+    def _capsule_checksum(self, stored: StoredCapsule) -> str:
+        """In place for a device-tier capsule (its blocks), else over its bytes from the tier it is on."""
+        return checksum(row_parts(stored.rows) if stored.tier == DEVICE else self.capsule_bytes(stored.info.id))
 
     def capsule_bytes(self, capsule_id: str) -> torch.Tensor:
         """A capsule's full bytes in capsule layout (a copy: its shared rows included), wherever it is."""
