@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
-# Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tests | quant | profile)
+# Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tests | quant | profile | capsules)
 # Every phase keeps its whole log under $OUT (the device tool returns only the output's tail).
 # The wheels in .whl (transformers 5.24.0, fla-core 0.6.0: what the machine lacks) are installed first.
 set -uo pipefail
@@ -43,6 +43,23 @@ for phase in "$@"; do
         echo "bench-quant $preset rc=$?"; grep -v -i warn "$OUT/bench_quant_$preset.log" | tail -12
       done
       ;;
-    profile) python3 bench/profile_step.py qwen3.5-0.8b 2048 2>&1 | tail -60 ;;
+    profile)
+      for context in 16384 8192; do
+        python3 bench/profile_step.py qwen3.5-0.8b $context 24 > "$OUT/profile_0.8b_$context.txt" 2>&1
+        echo "profile $context rc=$?"; grep -E " ms$|graphs" "$OUT/profile_0.8b_$context.txt"
+      done
+      ;;
+    capsules)
+      for preset in ${CAPSULE_PRESETS:-qwen3.5-0.8b}; do
+        timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.runtime bench-capsules --model $preset --device cuda \
+            --dtype bfloat16 --context 16384 --branches 8 --branch-tokens 64 --repeats 10 --capsule-dir /tmp/fc_$preset \
+            --capsule-budget-mb 65536 --host-budget-mb 16384 --out "$OUT/bench_capsules_$preset.json" \
+            > "$OUT/bench_capsules_$preset.log" 2>&1
+        echo "bench-capsules $preset rc=$?"; grep -v -i warn "$OUT/bench_capsules_$preset.log" | tail -8
+      done
+      python3 -m flashrt_ros.runtime.bench_files --mib 243 --device cuda --dir /tmp/capsule_files --repeats 5 \
+          --json "$OUT/bench_files_cuda.json" > "$OUT/bench_files_cuda.log" 2>&1
+      echo "bench_files rc=$?"; tail -8 "$OUT/bench_files_cuda.log"
+      ;;
   esac
 done

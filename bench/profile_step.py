@@ -1,43 +1,46 @@
-"""Where does a decode step / small prefill / cold prefill spend GPU time? (diagnostic, run on the device)"""
+"""Where do a decode step, the capsule TTFT's small piece and its first-token logits spend GPU time? A diagnostic
+run on the device: ``python3 bench/profile_step.py PRESET CONTEXT [SUFFIX]`` prints the replay times and, per
+step, the top kernels by device time (torch.profiler)."""
 import sys
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flashrt_ros.runtime import Engine, EngineConfig
+from flashrt_ros.runtime.engine import _piece_bucket
+from flashrt_ros.runtime.timing import timed
 from flashrt_ros.runtime.verify import prompt_tokens
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-0.8b"
-ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
-t0 = time.time()
-eng = Engine(EngineConfig(model=preset, device="cuda", dtype="bfloat16", max_context=ctx + 128, prefill_chunk=2048,
-                          checksum_on_snapshot=False))
-print("init s", time.time() - t0, "graphs", len(eng.graphs.graphs), flush=True)
-prompt = prompt_tokens(eng.vocab_size, ctx, "p")
+context = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
+suffix = int(sys.argv[3]) if len(sys.argv) > 3 else 24
+engine = Engine(EngineConfig(model=preset, device="cuda", dtype="bfloat16", max_context=context + 128,
+                             prefill_chunk=2048, checksum_on_snapshot=False))
+device = engine.device
+engine.ingest(prompt_tokens(engine.vocab_size, context, "profile"))
+engine.snapshot("base")
+decode = engine.graphs.graphs[("decode", True, engine._kv_bucket(context + 1))]
+piece = engine.graphs.graphs[("piece", _piece_bucket(suffix), engine._kv_bucket(context + suffix))]
+engine._count.fill_(suffix)
+steps = {"decode graph": decode.replay, f"piece graph ({suffix} tokens)": piece.replay,
+         "first-token logits + argmax": engine.peek_token, "restore (lineage)": lambda: engine.restore("base")}
 
 
-def timed(fn, n=5):
+def median_ms(fn, repeats=20):
     out = []
-    for _ in range(n):
-        torch.cuda.synchronize(); s = time.perf_counter(); fn(); torch.cuda.synchronize()
-        out.append(1000 * (time.perf_counter() - s))
+    for _ in range(repeats):
+        out.append(timed(device, fn)[1])
+        engine.restore("base")
     return sorted(out)[len(out) // 2]
 
 
-eng.reset(); eng.ingest(prompt[:2048]); eng.snapshot("base")
-key = ("decode", True, eng._kv_bucket(2049))
-g = eng.graphs.graphs[key]
-print("decode graph replay ms", timed(lambda: (g.replay(), eng.restore("base"))))
-print("restore alone ms", timed(lambda: eng.restore("base")))
-print("eager decode step ms", timed(lambda: (eng._decode_step(True, key[2])(), eng.restore("base"))))
-gen = lambda: (eng.restore("base"), list(eng.generate(8, stop_token_ids=())))
-print("generate 8 ms", timed(gen))
-print("cold prefill", ctx, "ms", timed(lambda: (eng.reset(), eng.ingest(prompt)), 3))
-for name, fn in [("decode_graph", lambda: g.replay()), ("generate8", gen),
-                 ("cold_prefill", lambda: (eng.reset(), eng.ingest(prompt)))]:
-    eng.restore("base")
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        fn(); torch.cuda.synchronize()
+print(f"{preset} at {context}: {len(engine.graphs.graphs)} graphs, kernels {engine.kernel_name}")
+for name, fn in steps.items():
+    print(f"{name}: {median_ms(fn):.3f} ms")
+for name, fn in steps.items():
+    engine.restore("base")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
     print("=====", name)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))

@@ -58,6 +58,8 @@ def test_cupy_checksum_matches_torch():
         pytest.skip("cupy is not installed")
     data = torch.randint(0, 256, (10_000_003,), dtype=torch.uint8, device="cuda")
     assert cupy_checksum(data) == checksum_torch(data) == checksum_torch(data.cpu())
+    parts = [data[:1001], data[1001:1001], data[1001:5_000_002], data[5_000_002:]]   # odd lengths, word offsets
+    assert cupy_checksum(parts) == cupy_checksum(data) == checksum_torch([p.cpu() for p in parts])
 
 
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
