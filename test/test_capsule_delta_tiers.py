@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -153,6 +154,8 @@ def separate_capsules(engine: Engine, ids) -> dict[str, torch.Tensor]:
 
 
 def tiers(engine: Engine) -> dict[str, str]:
+    """Where each capsule is once the background file writes have ended."""
+    engine.tiers.drain()
     return {c.id: c.tier for c in engine.capsules()}
 
 
@@ -208,25 +211,140 @@ def test_host_tier_comes_first_while_it_has_room_then_disk(tmp_path, monkeypatch
     size = make().arena.live_nbytes(110)
     engine = lru_engine(tmp_path, capsule_budget_bytes=room_for(1.5), capsule_host_budget_bytes=size)
     full = separate_capsules(engine, "abc")
+    engine.tiers.drain()
     assert engine.tiers.names == ("device", "host", "disk")
     assert [engine.store.get(i).tier for i in "abc"] == ["host", "disk", "device"]
     assert engine.stats()["capsule_host_bytes"] == size
     engine.restore("a")                              # from the host tier; c goes down (the host is full: disk)
+    engine.tiers.drain()
     assert [engine.store.get(i).tier for i in "abc"] == ["device", "disk", "disk"]
     assert_live_is(engine, full["a"])
 
 
-def test_a_background_spill_leaves_the_capsule_usable_until_its_file_is_complete(tmp_path):
+def test_a_background_spill_frees_the_device_at_once_and_lands_on_disk(tmp_path):
     engine = make(capsule_dir=str(tmp_path))
     full = separate_capsules(engine, "a")
-    engine.spill("a", wait=False)                    # device until the file is complete
-    engine.restore("a")
-    assert_live_is(engine, full["a"])
+    engine.spill("a", wait=False)
+    assert engine.capsule_bytes_used == 0 and engine.stats()["capsule_host_bytes"] == full["a"].numel()
     engine.tiers.wait("a")
     assert engine.capsule("a").tier == "disk" and engine.capsule_bytes_used == 0
+    assert engine.stats()["capsule_host_bytes"] == 0
     assert torch.equal(engine.capsule_bytes("a"), full["a"])
     engine.drop("a")                                 # a spill's own file goes with its capsule
     assert not list(tmp_path.iterdir())
+
+
+class Gate:
+    """Patches a capsule_file function so that each call waits until the test opens the gate (or raises
+    ``error``); records the calls. Nothing is timed: the test decides when the background thread may go on."""
+
+    def __init__(self, monkeypatch, name, error=None):
+        self.real, self.error = getattr(capsule_file, name), error
+        self.open_, self.started, self.calls = threading.Event(), threading.Event(), 0
+        monkeypatch.setattr(capsule_file, name, self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        self.started.set()
+        assert self.open_.wait(60), "the test never opened the gate"
+        if self.error is not None:
+            raise self.error
+        return self.real(*args, **kwargs)
+
+    def open(self):
+        self.open_.set()
+
+
+def test_an_lru_eviction_returns_before_its_file_is_written_and_the_capsule_stays_readable(tmp_path, monkeypatch):
+    engine = lru_engine(tmp_path, capsule_budget_bytes=room_for(1.5))
+    gate = Gate(monkeypatch, "write_capsule_file")
+    full = separate_capsules(engine, "ab")           # b's snapshot evicts a: its file write is blocked
+    assert engine.tiers.pending == ("a",) and capsule_file.capsule_file_ids(tmp_path) == []
+    assert engine.store.get("a").tier == "host"       # its staging copy, counted as host bytes
+    assert engine.stats()["capsule_host_bytes"] == full["a"].numel()
+    assert engine.capsule_bytes_used == engine.store.used_bytes <= engine.capsule_budget_bytes
+    assert torch.equal(engine.capsule_bytes("a"), full["a"])
+    engine.restore("a")                              # from the staging copy; b is evicted (queued behind a)
+    assert_live_is(engine, full["a"])
+    gate.open()
+    assert tiers(engine) == {"a": "host", "b": "disk"}            # (the CPU's device tier reports "host")
+    assert engine.store.get("a").tier == "device" and engine.stats()["capsule_host_bytes"] == 0
+    assert capsule_file.capsule_file_ids(tmp_path) == ["b"]       # a's file went: a is on the device again
+    for capsule_id, data in full.items():
+        assert torch.equal(engine.capsule_bytes(capsule_id), data)
+
+
+def test_a_failed_write_leaves_the_capsule_on_its_host_copy_restorable(tmp_path, monkeypatch, caplog):
+    engine = make(capsule_dir=str(tmp_path))
+    full = separate_capsules(engine, "a")
+    gate = Gate(monkeypatch, "write_capsule_file", error=OSError(28, "No space left on device"))
+    gate.open()
+    with pytest.raises(FlashRTError) as err:
+        engine.spill("a")
+    assert err.value.code == ErrorCode.FILE_ERROR and "No space left" in err.value.message
+    engine.spill("a", wait=False)                    # again, in the background: logged, not lost
+    assert tiers(engine) == {"a": "host"} and "stays on its host copy" in caplog.text
+    assert engine.store.get("a").tier == "host" and engine.stats()["capsule_host_bytes"] == full["a"].numel()
+    assert engine.capsule_bytes_used == 0 and capsule_file.capsule_file_ids(tmp_path) == []
+    engine.restore("a")
+    assert_live_is(engine, full["a"])
+    assert engine.store.get("a").tier == "device" and engine.stats()["capsule_host_bytes"] == 0
+    monkeypatch.setattr(capsule_file, "write_capsule_file", gate.real)
+    assert engine.spill("a").tier == "disk"          # the disk works again: a retry lands
+
+
+def test_a_drop_during_a_pending_write_leaves_no_file(tmp_path, monkeypatch):
+    engine = make(capsule_dir=str(tmp_path))
+    separate_capsules(engine, "ab")
+    gate = Gate(monkeypatch, "write_capsule_file")
+    engine.spill("a", wait=False)
+    assert gate.started.wait(60)                     # a's write runs (blocked), b's is queued behind it
+    engine.spill("b", wait=False)
+    assert engine.drop("b") > 0 and engine.drop("a") > 0     # b's write is cancelled, a's is running
+    assert engine.capsules() == [] and engine.stats()["capsule_host_bytes"] == 0
+    gate.open()
+    engine.tiers.drain()
+    engine.capsules()
+    assert gate.calls == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_a_prefetch_reads_in_the_background_and_a_restore_waits_for_it(tmp_path, monkeypatch):
+    engine = make(capsule_dir=str(tmp_path))
+    full = separate_capsules(engine, "ab")
+    engine.spill("a")
+    engine.spill("b")
+    gate = Gate(monkeypatch, "read_capsule_file")
+    assert engine.fetch("a", wait=False).tier == "disk"     # returns while the read is blocked
+    assert engine.fetch("b", wait=False).tier == "disk"
+    assert gate.started.wait(60) and engine.capsule_bytes_used == 0
+    gate.open()
+    engine.restore("b")                              # waits for its read (not a second one)
+    assert_live_is(engine, full["b"])
+    engine.tiers.drain()
+    assert tiers(engine) == {"a": "host", "b": "host"}     # a attached at the next capsule call
+    assert gate.calls == 2 and capsule_file.capsule_file_ids(tmp_path) == []
+    for capsule_id, data in full.items():
+        assert torch.equal(engine.capsule_bytes(capsule_id), data)
+
+
+def test_a_prefetch_that_cannot_fit_is_refused_and_a_failed_one_leaves_the_capsule_on_disk(tmp_path, caplog):
+    engine = make(capsule_dir=str(tmp_path), capsule_budget_bytes=room_for(1.5))
+    separate_capsules(engine, "a")
+    engine.spill("a")
+    separate_capsules(engine, "b")
+    with pytest.raises(FlashRTError) as err:
+        engine.fetch("a", wait=False)                # the refuse policy: no room for it
+    assert err.value.code == ErrorCode.BUDGET_EXCEEDED and engine.tiers._reads == {}
+    engine.drop("b")
+    path = engine.capsule_file("a")
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 1
+    path.write_bytes(bytes(data))
+    engine.fetch("a", wait=False)
+    assert tiers(engine) == {"a": "disk"} and "prefetch of capsule 'a' failed" in caplog.text
+    with pytest.raises(FlashRTError) as err:
+        engine.restore("a")
+    assert err.value.code == ErrorCode.CHECKSUM_MISMATCH
 
 
 def test_capsules_on_disk_survive_a_restart_and_other_fingerprints_are_refused_with_the_reason(tmp_path):

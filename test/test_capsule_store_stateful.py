@@ -5,7 +5,9 @@ the plain way: a restore writes the capsule's every live byte, a rollback writes
 Ingest and generate run on a twin engine loaded with the model's arena, so the model's arena after them is what
 the computation gives from the model's state. After every step the engine's whole arena equals the model's, every
 capsule's bytes equal the model's copy, and the budget's used bytes are exactly the distinct blocks held plus the
-labels.
+labels; the host bytes are exactly the full copies of the host-tier capsules (a disk spill's staging copy among
+them while its file is written in the background). Background writes and prefetches end whenever they do: every
+invariant holds at any point of them.
 """
 import dataclasses
 
@@ -16,6 +18,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
+from flashrt_ros.runtime import capsule_file
+from flashrt_ros.runtime.capsule_store import DEVICE, HOST
 from flashrt_ros.runtime.capsules import label_nbytes
 
 # room for about six capsules at full context: snapshots, forks and fetches evict (lru) to disk
@@ -35,20 +39,24 @@ def engines(folder) -> tuple[Engine, Engine]:
 
 
 def held_bytes(engine: Engine) -> int:
-    """What the store really holds: each distinct block once, plus every capsule's label."""
+    """What the store really holds: each distinct block once, plus every capsule's label (read without settling
+    background work, which would move capsules)."""
     blocks = {}
-    for info in engine.capsules():
+    for info in engine.store.infos():
         for segments in engine.store.get(info.id).rows.values():
             blocks.update({block.id: block.data.numel() for block, _, _ in segments})
-    return sum(blocks.values()) + sum(label_nbytes(c.label) for c in engine.capsules())
+    return sum(blocks.values()) + sum(label_nbytes(c.label) for c in engine.store.infos())
 
 
 class CapsuleStoreMachine(RuleBasedStateMachine):
     @initialize()
     def start(self):
         self.engine, self.twin = engines(self.folder)
+        self.engine.tiers.drain()
         for info in self.engine.capsules():
             self.engine.drop(info.id)
+        self.engine.tiers.drain()
+        self.engine.capsules()                       # (deletes the files of dropped capsules' ended writes)
         for path in self.folder.iterdir():
             path.unlink()
         self.engine.reset()
@@ -80,6 +88,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
     def on_twin(self, operation):
         """Run ``operation`` on the twin from the model's arena; the model's arena becomes the twin's."""
         self.twin.arena.storage.copy_(self.arena)
+        self.twin._moved_to(None)                    # its arena was written behind its back: read the position
         result = operation(self.twin)
         self.arena = self.twin.arena.storage.clone()
         return result
@@ -187,8 +196,8 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         capsule_id = self.some_id(data)
         info = self.engine.capsule(capsule_id)
         # in memory, at least what it holds alone (a block it holds only part of is freed whole); a disk-tier
-        # capsule holds only its label in memory
-        own = 0 if info.tier == "disk" else info.own_bytes
+        # capsule holds only its label in memory (as may one whose background write ends before the drop)
+        own = 0 if info.tier == "disk" or capsule_id in self.engine.tiers.pending else info.own_bytes
         assert self.engine.drop(capsule_id) >= own + label_nbytes(info.label)
         del self.capsules[capsule_id]
 
@@ -196,9 +205,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def export_drop_import(self, data):
         capsule_id = self.some_id(data)
-        if self.engine.capsule(capsule_id).tier == "disk":
-            return                                   # its file is its storage (an export of it would be refused)
-        self.engine.export_capsule(capsule_id)
+        self.engine.export_capsule(capsule_id)       # (a disk-tier capsule's file is its export: kept by the drop)
         self.engine.drop(capsule_id)
         if self.allowed(lambda: self.engine.import_capsule(capsule_id)):
             assert self.engine.capsule(capsule_id).tier != "disk"
@@ -207,26 +214,35 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         self.engine.capsule_file(capsule_id).unlink()
 
     @precondition(lambda self: self.capsules)
-    @rule(data=st.data())
-    def spill(self, data):
-        """(Background spills make the sequence timing-dependent: test_capsule_tiers covers them.)"""
+    @rule(data=st.data(), wait=st.booleans())
+    def spill(self, data, wait):
+        """A disk spill; without ``wait`` its file is written in the background (the capsule on its host copy)."""
         capsule_id = self.some_id(data)
         info = self.engine.capsule(capsule_id)
         if info.pinned or info.tier == "disk":
             try:
-                self.engine.spill(capsule_id)
+                self.engine.spill(capsule_id, wait=wait)
             except FlashRTError as err:
                 assert err.code == ErrorCode.INVALID_ARGUMENT
                 return
             raise AssertionError("a pinned or spilled capsule was spilled")
-        assert self.engine.spill(capsule_id).tier == "disk"
+        tier = self.engine.spill(capsule_id, wait=wait).tier
+        assert tier == "disk" if wait else tier in ("host", "disk")
+        assert not self.engine.store.get(capsule_id).rows            # its device blocks are released at once
 
     @precondition(lambda self: self.capsules)
-    @rule(data=st.data())
-    def fetch(self, data):
+    @rule(data=st.data(), wait=st.booleans())
+    def fetch(self, data, wait):
+        """A fetch, or a prefetch (read in the background, attached at a later capsule call)."""
         capsule_id = self.some_id(data)
-        if self.allowed(lambda: self.engine.fetch(capsule_id)):
+        if self.allowed(lambda: self.engine.fetch(capsule_id, wait=wait)) and wait:
             assert self.engine.capsule(capsule_id).tier != "disk"
+        if not wait:      # the read ends here, so the prefetch is attached at the next call (a reproducible run)
+            self.engine.tiers.drain()
+
+    @rule()
+    def background_work_ends(self):
+        self.engine.tiers.drain()
 
     @precondition(lambda self: self.capsules)
     @rule(data=st.data(), pinned=st.booleans())
@@ -261,15 +277,30 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def budget_is_exact(self):
+        self.engine.capsules()                       # settles what has ended; nothing moves until the next call
         assert self.engine.capsule_bytes_used == held_bytes(self.engine) <= self.engine.capsule_budget_bytes, (
             {b.id: (b.nbytes, b.refs) for b in self.engine.store.blocks.values()},
             [(c.id, c.tier, c.own_bytes, c.shared_bytes) for c in self.engine.capsules()])
 
     @invariant()
+    def host_bytes_are_exactly_the_host_copies(self):
+        stored = [self.engine.store.get(info.id) for info in self.engine.capsules()]
+        assert self.engine.stats()["capsule_host_bytes"] == sum(c.info.nbytes for c in stored if c.tier == HOST)
+        for c in stored:
+            assert (c.host is not None) == (c.tier == HOST) and bool(c.rows) == (c.tier == DEVICE), c.info.id
+            # no pinned host tier on the CPU: a host-tier capsule is a disk spill whose file is being written
+            assert c.tier != HOST or c.info.id in self.engine.tiers.pending, c.info.id
+
+    @invariant()
     def pinned_capsules_stay_on_the_device_and_spilled_ones_are_complete_files(self):
+        disk = set()
         for info in self.engine.capsules():
             assert info.tier != "disk" or (not info.pinned and self.engine.capsule_file(info.id).is_file())
-        assert not [p for p in self.folder.iterdir() if p.name.startswith(".")], "a temporary file is left"
+            disk |= {info.id} if info.tier == "disk" else set()
+        pending = set(self.engine.tiers.pending)
+        assert set(capsule_file.capsule_file_ids(self.folder)) <= disk | pending, "a stray capsule file"
+        if not pending:
+            assert not [p for p in self.folder.iterdir() if p.name.startswith(".")], "a temporary file is left"
 
 
 SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None, database=None,

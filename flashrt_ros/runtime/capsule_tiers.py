@@ -1,16 +1,23 @@
 """Capsule tiers below the device: pinned host memory (discrete GPUs) and the capsule directory on disk.
 
-A capsule leaves the device whole: its full bytes go to one pinned host tensor or to ``<capsule_dir>/<id>.capsule``
-(written by :mod:`capsule_file`: atomic, so a visible file is always complete), and its device blocks are released
-(blocks other capsules share stay). Coming back (a fetch) it gets fresh device blocks. A disk spill asked for
-without waiting is written by a background thread from a host copy; the capsule stays restorable on the device
-until the file is complete, and :meth:`Tiers.finish` (run by the engine at its capsule calls) moves it to disk.
+A capsule leaves the device whole: its full bytes go to one host tensor (on CUDA pinned, copied on a side stream
+whose event readers wait on, so the engine stream waits for nothing) and its device blocks are released at once
+(blocks other capsules share stay). A host-tier spill ends there. A disk spill keeps that host copy as its
+*staging* copy: the capsule is on the host tier (readable, restorable, counted in ``host_bytes``) while a background
+thread writes ``<capsule_dir>/<id>.capsule`` (atomic, :mod:`capsule_file`), and :meth:`Tiers.finish` (run by the
+engine at its capsule calls) moves it to disk once the file is complete. A write that fails leaves it on the host
+copy, with a logged warning. So an eviction makes device room without waiting for the disk.
+
+Coming back (a fetch) a capsule gets fresh device blocks; a disk-tier capsule can be prefetched: a second thread
+reads and authenticates its file, and the engine attaches it at its next capsule call (:meth:`Tiers.fetched`).
 
 On the CPU and on integrated GPUs (Jetson: host and device are one DRAM, pinned-host registration is unsupported)
-there is no host tier: the next tier after the device is disk.
+there is no host tier: the next tier after the device is disk, and a disk spill's staging copy is ordinary memory in
+that same DRAM (the device bytes it replaces are freed, so the pool does not grow while the file is written).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,14 +34,26 @@ POLICIES = ("refuse", "lru")
 _log = logging.getLogger("flashrt.runtime")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Write:
+    future: Future
+    stored: StoredCapsule
+    staging: torch.Tensor          # the host copy the file is written from (the capsule's bytes until it is done)
+
+
 class Tiers:
     def __init__(self, store: DeltaStore, device: torch.device, capsule_dir: Path | None, key: bytes | None,
                  host_tier: bool, host_budget_bytes: int):
         self.store, self.device, self.capsule_dir, self.key = store, device, capsule_dir, key
         self.host_budget_bytes = host_budget_bytes if host_tier else 0
         self.names = (DEVICE,) + ((HOST,) if self.host_budget_bytes else ()) + ((DISK,) if capsule_dir else ())
+        self._pin = host_tier and device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsule-spill")
-        self._pending: dict[str, tuple[Future, StoredCapsule]] = {}
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsule-fetch")
+        self._writes: dict[str, _Write] = {}
+        self._reads: dict[str, tuple[Future, StoredCapsule]] = {}
+        self._copies: dict[str, torch.cuda.Event] = {}     # host copies still in flight on the side stream
 
     # ---- where a capsule can go ---------------------------------------------------------------------------
     def path(self, capsule_id: str) -> Path:
@@ -66,7 +85,8 @@ class Tiers:
             raise FlashRTError(ErrorCode.BUDGET_EXCEEDED, f"{what} ({stored.info.nbytes} B) does not fit the host "
                                                           f"tier: {self.store.host_bytes} of "
                                                           f"{self.host_budget_bytes} B in use")
-        if tier == DISK and self.path(stored.info.id).exists() and not self._same_file(stored):
+        if tier == DISK and stored.info.id not in self._writes and self.path(stored.info.id).exists() \
+                and not self._same_file(stored):
             raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"{self.path(stored.info.id).name} in the capsule "
                                                                f"directory holds another capsule")
 
@@ -80,58 +100,109 @@ class Tiers:
             stored.fingerprint, stored.info.checksum, stored.info.created, stored.info.nbytes) and bool(info.checksum)
 
     # ---- moves -------------------------------------------------------------------------------------------
-    def _host_copy(self, stored: StoredCapsule, pinned: bool) -> torch.Tensor:
-        out = torch.empty(stored.info.nbytes, dtype=torch.uint8, pin_memory=pinned and self.device.type == "cuda")
-        self.store.materialise(stored.info.id, out)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _host_copy(self, stored: StoredCapsule) -> torch.Tensor:
+        """The capsule's full bytes in a new host tensor. On CUDA the copy runs on the side stream (after the work
+        queued so far) and the blocks are marked used by it, so releasing them at once is safe; readers wait on
+        the event :meth:`ready` keeps."""
+        out = torch.empty(stored.info.nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        if self._stream is None:
+            return self.store.materialise(stored.info.id, out)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self.store.materialise(stored.info.id, out)
+            for segments in stored.rows.values():
+                for block, _, _ in segments:
+                    block.data.record_stream(self._stream)
+            self._copies[stored.info.id] = event = torch.cuda.Event()
+            event.record(self._stream)
         return out
 
+    def ready(self, stored: StoredCapsule) -> None:
+        """Wait until the capsule's host copy (if one is in flight) is complete, before reading it."""
+        event = self._copies.pop(stored.info.id, None)
+        if event is not None:
+            event.synchronize()
+
     def spill(self, stored: StoredCapsule, tier: str, wait: bool = True) -> None:
-        """Move a capsule to ``tier`` (checked by :meth:`check_target`)."""
+        """Move a capsule to ``tier`` (checked by :meth:`check_target`). A disk spill returns once its device
+        blocks are released; unless ``wait`` its file is written in the background (see the module doc)."""
+        self.wait(stored.info.id)           # an earlier write of this id ends first (it may finish this spill)
+        if stored.tier == DISK:
+            return
         if tier == HOST:
-            host = self._host_copy(stored, pinned=True)
+            host = self._host_copy(stored)
             self.store.release(stored)
             stored.host, stored.tier = host, HOST
-            return
-        if stored.info.id in self._pending:
-            self.wait(stored.info.id)
             return
         if self._same_file(stored):
             self._to_disk(stored, owns_file=False)
             return
-        data = self._host_copy(stored, pinned=False)
-        capsule = Capsule(stored.info, stored.fingerprint, data)
-        future = self._writer.submit(capsule_file.write_capsule_file, capsule, self.path(stored.info.id), self.key)
-        self._pending[stored.info.id] = (future, stored)
-        if wait:
-            self.wait(stored.info.id)
+        staging = stored.host if stored.host is not None else self._host_copy(stored)
+        self.store.release(stored)
+        stored.host, stored.tier = staging, HOST
+        event = self._copies.get(stored.info.id)
+        future = self._writer.submit(self._write, Capsule(stored.info, stored.fingerprint, staging),
+                                     self.path(stored.info.id), event)
+        self._writes[stored.info.id] = _Write(future, stored, staging)
+        error = self.wait(stored.info.id) if wait else None
+        if error is not None:
+            raise FlashRTError(ErrorCode.FILE_ERROR, f"spill of capsule {stored.info.id!r} to disk failed, it stays "
+                                                     f"on the host tier: {error}")
+
+    def _write(self, capsule: Capsule, path: Path, event: torch.cuda.Event | None) -> None:
+        """(The writer thread.)"""
+        if event is not None:
+            event.synchronize()
+        capsule_file.write_capsule_file(capsule, path, self.key)
 
     def _to_disk(self, stored: StoredCapsule, owns_file: bool) -> None:
         self.store.release(stored)
+        self._copies.pop(stored.info.id, None)
         stored.host, stored.tier, stored.owns_file = None, DISK, owns_file
 
     def finish(self) -> None:
-        """Move every capsule whose background file write has completed to the disk tier."""
-        for capsule_id in [i for i, (f, _) in self._pending.items() if f.done()]:
+        """Settle every background write that has ended; forget host copies that are complete."""
+        for capsule_id in [i for i, w in self._writes.items() if w.future.done()]:
             self._complete(capsule_id)
+        for capsule_id in [i for i, e in self._copies.items() if e.query()]:
+            del self._copies[capsule_id]
 
-    def wait(self, capsule_id: str) -> None:
-        if capsule_id in self._pending:
-            self._pending[capsule_id][0].exception()       # blocks until the write ended
-            self._complete(capsule_id)
+    def wait(self, capsule_id: str) -> BaseException | None:
+        """Wait for the background write of this capsule, if one is pending, and settle it; returns its error."""
+        if capsule_id not in self._writes:
+            return None
+        concurrent.futures.wait([self._writes[capsule_id].future])
+        return self._complete(capsule_id)
 
-    def _complete(self, capsule_id: str) -> None:
-        future, stored = self._pending.pop(capsule_id)
-        if future.exception() is not None:
-            _log.warning("spill of capsule %r to disk failed (it stays where it was): %s", capsule_id,
-                         future.exception())
-            return
-        if capsule_id in self.store and self.store.get(capsule_id) is stored:
+    def drain(self) -> None:
+        """Wait for every background write and read (a prefetch stays to be attached by :meth:`fetched`)."""
+        for capsule_id in list(self._writes):
+            self.wait(capsule_id)
+        concurrent.futures.wait([future for future, _ in self._reads.values()])
+
+    @property
+    def pending(self) -> tuple[str, ...]:
+        """The capsules whose file is being written."""
+        return tuple(self._writes)
+
+    def _complete(self, capsule_id: str) -> BaseException | None:
+        write = self._writes.pop(capsule_id)
+        if write.future.cancelled():
+            return None
+        stored, error = write.stored, write.future.exception()
+        current = capsule_id in self.store and self.store.get(capsule_id) is stored and stored.host is write.staging
+        if error is not None:
+            if current:
+                _log.warning("spill of capsule %r to disk failed; it stays on its host copy (%d B): %s",
+                             capsule_id, write.staging.numel(), error)
+            return error
+        if current:
             self._to_disk(stored, owns_file=True)
-        else:                                  # dropped while its file was written
+        else:                                  # dropped, or fetched back, while its file was written
             self.path(capsule_id).unlink(missing_ok=True)
+        return None
 
+    # ---- fetches -------------------------------------------------------------------------------------------
     def read(self, stored: StoredCapsule, device: torch.device | str) -> torch.Tensor:
         """The full bytes of a disk-tier capsule, read and authenticated from its file."""
         def expect(info, fingerprint):
@@ -140,9 +211,39 @@ class Tiers:
                                                                 f"capsule {stored.info.id!r}")
         return capsule_file.read_capsule_file(self.path(stored.info.id), device, expect=expect, key=self.key).data
 
+    def full_bytes(self, stored: StoredCapsule, device: torch.device | str) -> torch.Tensor:
+        """A copy of the capsule's full bytes, wherever it is (a disk-tier one read from its file)."""
+        if stored.tier == DISK:
+            return self.read(stored, device)
+        self.ready(stored)
+        return self.store.materialise(stored.info.id)
+
+    def prefetch(self, stored: StoredCapsule) -> None:
+        """Start reading a disk-tier capsule's file in the background (:meth:`fetched` hands it over)."""
+        if stored.info.id not in self._reads:
+            self._reads[stored.info.id] = (self._reader.submit(self.read, stored, "cpu"), stored)
+
+    def fetched(self) -> list[tuple[StoredCapsule, torch.Tensor]]:
+        """The prefetches that have ended, each still a disk-tier capsule of the store, with its bytes (a failed
+        one is logged and forgotten: the capsule stays on disk)."""
+        out = []
+        for capsule_id in [i for i, (f, _) in self._reads.items() if f.done()]:
+            future, stored = self._reads.pop(capsule_id)
+            if future.exception() is not None:
+                _log.warning("prefetch of capsule %r failed; it stays on disk: %s", capsule_id, future.exception())
+            elif capsule_id in self.store and self.store.get(capsule_id) is stored and stored.tier == DISK:
+                out.append((stored, future.result()))
+        return out
+
     def fetch_bytes(self, stored: StoredCapsule) -> torch.Tensor:
-        """A host or disk tier capsule's full bytes in host memory (checked), before any room is made for it."""
-        return stored.host if stored.tier == HOST else self.read(stored, "cpu")
+        """A host or disk tier capsule's full bytes in host memory (checked), before any room is made for it; a
+        pending prefetch of it is waited for."""
+        if stored.info.id in self._reads:
+            return self._reads.pop(stored.info.id)[0].result()
+        if stored.tier == HOST:
+            self.ready(stored)
+            return stored.host
+        return self.read(stored, "cpu")
 
     def attach(self, stored: StoredCapsule, data: torch.Tensor) -> None:
         """Put a fetched capsule back on the device (room already made)."""
@@ -154,8 +255,16 @@ class Tiers:
             stored.owns_file = False
 
     def forget(self, stored: StoredCapsule) -> None:
-        """A dropped capsule: finish its pending write, delete the file a spill wrote for it."""
-        self.wait(stored.info.id)
+        """A dropped capsule: cancel its queued write (a running one's file is deleted when it ends, by
+        :meth:`finish`) and its prefetch, delete the file a spill wrote for it."""
+        write = self._writes.get(stored.info.id)
+        if write is not None and write.stored is stored and write.future.cancel():
+            del self._writes[stored.info.id]
+        read = self._reads.get(stored.info.id)
+        if read is not None and read[1] is stored:
+            read[0].cancel()
+            del self._reads[stored.info.id]
+        self._copies.pop(stored.info.id, None)
         if stored.owns_file:
             self.path(stored.info.id).unlink(missing_ok=True)
 
@@ -186,4 +295,6 @@ class Tiers:
         return refused
 
     def close(self) -> None:
+        self.drain()
         self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)

@@ -485,9 +485,16 @@ class Engine:
         return info
 
     # ---- tiers and eviction --------------------------------------------------------------------------------
-    def _settle(self) -> None:
-        """Finish the background spills that are done; release a rollback boundary whose bytes left the device."""
+    def _settle(self, prefetched: bool = True) -> None:
+        """Finish the background spills that are done, attach the prefetches that are (unless not ``prefetched``:
+        inside :meth:`_make_room`, whose room is another capsule's); release a rollback boundary whose bytes left
+        the device."""
         self.tiers.finish()
+        for stored, data in self.tiers.fetched() if prefetched else ():
+            try:
+                self._on_device(stored, data)
+            except FlashRTError as err:
+                _log.warning("prefetched capsule %r stays on disk: %s", stored.info.id, err.message)
         oldest = self._boundaries[0] if self._boundaries else None
         if oldest is not None and oldest.fixed is not None and oldest.fixed.id not in self.store.blocks:
             # the oldest rollback boundary still points at a capsule's freed fixed state: release it too
@@ -522,13 +529,14 @@ class Engine:
     def _make_room(self, need: int, label: str, protect: set[int] = frozenset(),
                    keep_ids: tuple[str, ...] = ()) -> None:
         for victim in self._victims(need, label, protect, keep_ids):
-            self.tiers.spill(victim, self.tiers.below(victim))
-        self._settle()
+            self.tiers.spill(victim, self.tiers.below(victim), wait=False)     # never waits for a file write
+        self._settle(prefetched=False)
 
     @torch.inference_mode()
     def spill(self, capsule_id: str, tier: str = "", wait: bool = True) -> CapsuleInfo:
-        """Move a capsule off the device: to ``tier`` (host | disk; "" = the next one down). A disk spill with
-        ``wait=False`` writes the file in the background; the capsule moves when it is complete."""
+        """Move a capsule off the device: to ``tier`` (host | disk; "" = the next one down). Its device blocks are
+        released at once. A disk spill with ``wait=False`` writes the file in the background: until it is complete
+        the capsule is on the host tier (its staging copy, restorable); a failed write leaves it there."""
         self._settle()
         stored = self.store.get(capsule_id)
         tier = tier or (self.tiers.below(stored) or DISK)
@@ -538,15 +546,23 @@ class Engine:
         return self.store.info(capsule_id)
 
     @torch.inference_mode()
-    def fetch(self, capsule_id: str) -> CapsuleInfo:
-        """Bring a host or disk tier capsule back onto the device (making room as the policy allows)."""
+    def fetch(self, capsule_id: str, wait: bool = True) -> CapsuleInfo:
+        """Bring a host or disk tier capsule back onto the device (making room as the policy allows). A disk-tier
+        capsule with ``wait=False`` (a prefetch) is read in the background and attached at the next capsule call;
+        a restore of it waits for the read. Refused now if it could not fit."""
         self._settle()
-        self._on_device(self.store.get(capsule_id))
+        stored = self.store.get(capsule_id)
+        if not wait and stored.tier == DISK:
+            self._victims(self.layout.nbytes(stored.info.position), "", keep_ids=(capsule_id,))
+            self.tiers.prefetch(stored)
+        else:
+            self._on_device(stored)
         return self.store.info(capsule_id)
 
-    def _on_device(self, stored: StoredCapsule) -> None:
-        if stored.tier != DEVICE:                            # (a pending spill is on the device until it completes)
-            data = self.tiers.fetch_bytes(stored)            # read and checked before any room is made
+    def _on_device(self, stored: StoredCapsule, data: torch.Tensor | None = None) -> None:
+        if stored.tier != DEVICE:
+            if data is None:
+                data = self.tiers.fetch_bytes(stored)        # read and checked before any room is made
             self._make_room(self.layout.nbytes(stored.info.position), "", keep_ids=(stored.info.id,))
             self.tiers.attach(stored, data)
 
@@ -706,8 +722,7 @@ class Engine:
 
     def capsule_bytes(self, capsule_id: str) -> torch.Tensor:
         """A capsule's full bytes in capsule layout (a copy: its shared rows included), wherever it is."""
-        stored = self.store.get(capsule_id)
-        return self.tiers.read(stored, self.device) if stored.tier == DISK else self.store.materialise(capsule_id)
+        return self.tiers.full_bytes(self.store.get(capsule_id), self.device)
 
     # ---- files -------------------------------------------------------------------------------------------
     def capsule_file(self, capsule_id: str) -> Path:
@@ -720,14 +735,19 @@ class Engine:
     def export_capsule(self, capsule_id: str) -> CapsuleInfo:
         """Write a stored capsule to :meth:`capsule_file` (atomic; signed when a key is configured). A capsule on
         the disk tier is in that file already (nothing to write). Any other file of that id is kept
-        (DUPLICATE_CAPSULE_ID): remove it first to export again."""
+        (DUPLICATE_CAPSULE_ID): remove it first to export again. An exported file stays when the capsule is
+        dropped or fetched."""
         path = self.capsule_file(capsule_id)
         info = self.store.info(capsule_id)
-        if info.tier == DISK:
-            return info
+        self.tiers.wait(capsule_id)                    # a pending spill of it ends first: its file is the export
+        stored = self.store.get(capsule_id)
+        if stored.tier == DISK:
+            stored.owns_file = False
+            return self.store.info(capsule_id)
         if path.exists():
             raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"{path.name} already exists in the capsule "
                                                                f"directory (remove it to export {capsule_id!r} again)")
+        self.tiers.ready(stored)
         capsule_io.write_capsule_file(self.store.full_capsule(capsule_id), path, key=self._capsule_key)
         return info
 
@@ -749,6 +769,7 @@ class Engine:
         """Read :meth:`capsule_file` into the store: same fingerprint, free id, within the budget; its recorded
         parent belongs to another session, so it starts a lineage of its own. A file listed at configure is a
         disk-tier capsule already: importing it fetches it onto the device."""
+        self.tiers.wait(capsule_id)                    # a dropped capsule's pending write of this id ends first
         if capsule_id in self.store and self.store.get(capsule_id).tier == DISK:
             return self.fetch(capsule_id)
         capsule = capsule_io.read_capsule_file(self.capsule_file(capsule_id), self.device, key=self._capsule_key,
