@@ -244,6 +244,15 @@ class FlashRTClient:
     def import_capsule(self, capsule_id: str):
         return self.call("import_capsule", capsule_id=capsule_id)
 
+    def spill_capsule(self, capsule_id: str, tier: str = "", wait: bool = True):
+        return self.call("spill_capsule", capsule_id=capsule_id, tier=tier, wait=wait)
+
+    def fetch_capsule(self, capsule_id: str, wait: bool = True):
+        return self.call("fetch_capsule", capsule_id=capsule_id, wait=wait)
+
+    def pin_capsule(self, capsule_id: str, pinned: bool = True):
+        return self.call("pin_capsule", capsule_id=capsule_id, pinned=pinned)
+
     def reset(self):
         return self.call("reset")
 

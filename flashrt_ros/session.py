@@ -114,6 +114,8 @@ class EventOutput:
     source_id: str = ""
     label: str = ""
     pinned: bool = False
+    tier: str = ""
+    wait: bool = False
     steps: int = 0
     switch_to: bool = False
     verify_checksum: bool = False
@@ -470,6 +472,25 @@ class Session:
         """Read ``<capsule_dir>/<capsule_id>.capsule`` into the store (a client id: reserved prefixes refused)."""
         return self._operation("import", lambda: self._capsule(self.engine.import_capsule(
             validate_client_capsule_id(capsule_id))), {"capsule_id": capsule_id})
+
+    def spill_capsule(self, capsule_id: str, tier: str = "", wait: bool = True) -> CapsuleResult:
+        """Move a capsule off the device (host | disk | "" = the next tier down); see Engine.spill."""
+        return self._operation("spill", lambda: self._capsule(self.engine.spill(self._known(capsule_id), tier, wait)),
+                               {"capsule_id": capsule_id, "tier": tier, "wait": wait})
+
+    def fetch_capsule(self, capsule_id: str, wait: bool = True) -> CapsuleResult:
+        """Bring a spilled capsule back onto the device; ``wait`` false prefetches a disk-tier one."""
+        return self._operation("fetch", lambda: self._capsule(self.engine.fetch(self._known(capsule_id), wait)),
+                               {"capsule_id": capsule_id, "wait": wait})
+
+    def pin_capsule(self, capsule_id: str, pinned: bool = True) -> CapsuleResult:
+        """Pin a capsule to the device (fetched first) or unpin it; interrupted-* capsules stay pinned."""
+        def run():
+            if not pinned and capsule_id.startswith(INTERRUPTED_PREFIX):
+                raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule {capsule_id!r} holds an interrupted "
+                                                               f"stream: it stays pinned until resumed or dropped")
+            return self._capsule(self.engine.pin(self._known(capsule_id), pinned))
+        return self._operation("pin", run, {"capsule_id": capsule_id, "pinned": pinned})
 
     def reset(self) -> Done:
         return self._operation("reset", lambda: self._replacing(lambda: self.engine.reset() or Done()), {})
