@@ -118,9 +118,8 @@ def test_fused_kernels_match_the_reference_engine_in_fp32():
     assert torch.equal(logits["triton"].argmax(-1), logits["reference"].argmax(-1))
 
 
-# bf16: the fused set's error against the fp32 oracle may exceed the reference set's by this factor plus this floor,
-# and its greedy tokens agree with the oracle's on at least this fraction of the steps.
-DRIFT_RATIO, DRIFT_FLOOR, ARGMAX_AGREEMENT = 1.5, 0.01, 0.5
+# bf16: the fused set's error against the fp32 oracle may exceed the reference set's by this factor plus this floor.
+DRIFT_RATIO, DRIFT_FLOOR = 1.5, 0.01
 DRIFT_STEPS = 16
 
 
@@ -141,10 +140,13 @@ def test_fused_kernels_in_bf16_are_as_accurate_as_the_reference_kernels():
     - Kernel by kernel (test_kernels_*, against float64), the fused bf16 kernels are at least as accurate as the
       references: delta rule 3.0e-3 vs 3.9e-3; attention decode with fp32 scores where the reference rounds them to
       bf16; the norms, conv, SiLU and RoPE round where the references do.
+    - H200 at 98fafab, 16 steps: relative error 0.1656 (reference) and 0.1633 (fused); argmax agreement with fp32
+      10 of 17 and 7 of 17. At errors of this size near-tied winners flip on some rows, on different rows for the
+      two sets, so an agreement fraction says nothing about a defect (a bound of 0.5 failed by 2 rows there).
     So DRIFT_RATIO allows 50% more than the reference's error (0.996x was measured), and the floor covers a reference
-    error near zero. ARGMAX_AGREEMENT is below the 0.8 measured for the reference set, because at errors of ~0.17 a
-    near-tied top-1 flips on some steps (the two sets flip on different ones, so no per-set comparison is made). The
-    errors are printed (pytest -s / -rP) and are in the failure message."""
+    error near zero. Greedy tokens are checked only where they cannot flip by rounding: rows whose oracle winner leads
+    by more than twice the reference set's largest logit error on that row. The errors and the number of such rows
+    are printed (pytest -s / -rP) and are in the failure message."""
     preset = "qwen3.5-0.8b"
     prompt = prompt_tokens(248_320, FUSED_PROMPT, "gpu-fused")
     logits, engines = {}, {}
@@ -158,8 +160,14 @@ def test_fused_kernels_in_bf16_are_as_accurate_as_the_reference_kernels():
     want = _teacher_forced(oracle, prompt, DRIFT_STEPS)
     errors = {name: _relative(got, want) for name, got in logits.items()}
     agree = {name: (got.argmax(-1) == want.argmax(-1)).double().mean().item() for name, got in logits.items()}
+    # Rows where the oracle's winner leads by more than twice the reference set's largest error on that row: no
+    # rounding of the reference's size can flip them, so the fused set must pick the oracle's token there.
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * (logits["reference"] - want).abs().amax(-1)
+    flipped = (clear & (logits["triton"].argmax(-1) != want.argmax(-1))).sum().item()
     report = (f"relative logits error vs fp32: {errors}; fused vs reference "
-              f"{_relative(logits['triton'], logits['reference']):.3g}; argmax agreement with fp32: {agree}")
+              f"{_relative(logits['triton'], logits['reference']):.3g}; argmax agreement with fp32: {agree}; "
+              f"clear-winner rows {clear.sum().item()} of {len(clear)}, flipped by the fused set {flipped}")
     print(report)
     assert errors["triton"] <= DRIFT_RATIO * errors["reference"] + DRIFT_FLOOR, report
-    assert agree["triton"] >= ARGMAX_AGREEMENT, report
+    assert flipped == 0, report

@@ -7,6 +7,7 @@ therefore a handful of byte ranges, and a capsule of it is their concatenation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -30,11 +31,11 @@ class BufferSpec:
     offset: int = 0
     per_token: bool = False   # position-major: only the first `position` rows are live
 
-    @property
+    @functools.cached_property           # sizes are read on every capsule call: computed once
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         return self.nbytes // self.shape[0]
 

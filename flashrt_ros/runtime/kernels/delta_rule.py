@@ -151,6 +151,18 @@ def _log1p(y):
 
 
 @jit
+def _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head,
+                b_ptr, b_row, b_head, t, head, key_head, keys, cols, key_mask, col_mask):
+    """Row t's q, k [dk], v [BLOCK_V], a and b, in fp32."""
+    qt = tl.load(q_ptr + t * q_row + key_head * q_head + keys, mask=key_mask, other=0.0).to(tl.float32)
+    kt = tl.load(k_ptr + t * k_row + key_head * k_head + keys, mask=key_mask, other=0.0).to(tl.float32)
+    vt = tl.load(v_ptr + t * v_row + head * v_head + cols, mask=col_mask, other=0.0).to(tl.float32)
+    at = tl.load(a_ptr + t * a_row + head * a_head).to(tl.float32)
+    bt = tl.load(b_ptr + t * b_row + head * b_head).to(tl.float32)
+    return qt, kt, vt, at, bt
+
+
+@jit
 def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head,
                              a_ptr, a_row, a_head, b_ptr, b_row, b_head, a_log_ptr, dt_bias_ptr,
                              s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, length, dk, dv, scale, eps,
@@ -172,19 +184,25 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
     real = length
     if HAS_COUNT:
         real = tl.minimum(tl.load(count_ptr).to(tl.int32), length)
+    # Row t + 1's inputs are loaded while row t computes (they do not depend on the state), so the serial chain per
+    # row is the state's arithmetic alone. The l2-norms scale the reductions' results instead of q and k first: the
+    # norms and the reductions over the state then run side by side.
+    qn, kn, vn, an, bn = _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row,
+                                     a_head, b_ptr, b_row, b_head, 0, head, key_head, keys, cols, key_mask, col_mask)
     for t in range(0, real):
-        qt = tl.load(q_ptr + t * q_row + key_head * q_head + keys, mask=key_mask, other=0.0).to(tl.float32)
-        kt = tl.load(k_ptr + t * k_row + key_head * k_head + keys, mask=key_mask, other=0.0).to(tl.float32)
-        vt = tl.load(v_ptr + t * v_row + head * v_head + cols, mask=col_mask, other=0.0).to(tl.float32)
-        x = tl.load(a_ptr + t * a_row + head * a_head).to(tl.float32) + dt_bias
+        qt, kt, vt, at, bt = qn, kn, vn, an, bn
+        qn, kn, vn, an, bn = _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr,
+                                         a_row, a_head, b_ptr, b_row, b_head, (t + 1) % real, head, key_head, keys,
+                                         cols, key_mask, col_mask)      # past the last row: row 0 again, unused
+        x = at + dt_bias
         softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))  # torch's threshold
-        beta = round_like(tl.sigmoid(tl.load(b_ptr + t * b_row + head * b_head).to(tl.float32)), b_ptr)
-        qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + eps) * scale
-        kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + eps)
+        beta = round_like(tl.sigmoid(bt), b_ptr)
+        q_scale = tl.rsqrt(tl.sum(qt * qt, axis=0) + eps) * scale
+        k_scale = tl.rsqrt(tl.sum(kt * kt, axis=0) + eps)
         s = s * tl.exp(neg_a * softplus)
-        delta = (vt - tl.sum(kt[:, None] * s, axis=0)) * beta
-        s = s + kt[:, None] * delta[None, :]
-        out = tl.sum(qt[:, None] * s, axis=0)
+        delta = (vt - tl.sum(kt[:, None] * s, axis=0) * k_scale) * beta
+        s = s + (kt * k_scale)[:, None] * delta[None, :]
+        out = tl.sum(qt[:, None] * s, axis=0) * q_scale
         tl.store(out_ptrs + t * out_row, round_like(out, out_ptr).to(out_ptr.dtype.element_ty), mask=col_mask)
     for t in range(real, length):
         tl.store(out_ptrs + t * out_row, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty), mask=col_mask)
