@@ -424,6 +424,25 @@ def test_on_a_discrete_gpu_capsules_spill_to_pinned_host_memory_and_come_back_by
         assert torch.equal(engine.live_bytes().cpu(), full[capsule_id].cpu())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_an_eviction_stages_on_a_side_stream_and_reads_back_while_its_write_is_pending(tmp_path,
+                                                                                                monkeypatch):
+    engine = lru_engine(tmp_path, device="cuda", capsule_budget_bytes=room_for(1.5), capsule_host_budget_bytes=0)
+    gate = Gate(monkeypatch, "write_capsule_file")
+    full = separate_capsules(engine, "ab")           # b's snapshot evicts a: staged, its write blocked
+    assert engine.tiers.pending == ("a",)
+    assert engine.store.get("a").host.is_pinned() == (not engine.platform.integrated)   # Jetson: plain DRAM
+    assert torch.equal(engine.capsule_bytes("a").cpu(), full["a"].cpu())
+    engine.restore("a")
+    assert torch.equal(engine.live_bytes().cpu(), full["a"].cpu())
+    gate.open()
+    assert tiers(engine)["b"] == "disk" and engine.stats()["capsule_host_bytes"] == 0
+    assert torch.equal(engine.capsule_bytes("b").cpu(), full["b"].cpu())
+    engine.restore("b")
+    assert torch.equal(engine.live_bytes().cpu(), full["b"].cpu())
+
+
 def test_bench_capsules_cli_reports_sharing_and_every_tier(tmp_path, capsys):
     from flashrt_ros.runtime import cli
     out = tmp_path / "bench.json"
