@@ -30,6 +30,11 @@ for phase in "$@"; do
       ;;
     bench-0.8b) bench qwen3.5-0.8b 2048,8192,16384 20 ;;
     bench-27b) bench qwen3.6-27b 2048,8192,16384 5 ;;
+    quant-tune)
+      timeout 270 python3 bench/tune_quant_gemv.py --out "$OUT/tune.json" --write-table "$OUT/quant_gemv_configs.py" \
+          > "$OUT/tune.log" 2>&1; rc=$?; echo "tune rc=$rc"; grep -v -i warn "$OUT/tune.log" | tail -40
+      [ $rc -eq 0 ] && cp "$OUT/quant_gemv_configs.py" flashrt_ros/runtime/kernels/quant_gemv_configs.py
+      ;;
     quant-tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/test_runtime_quant.py \
           > "$OUT/quant_pytest.log" 2>&1; echo "pytest rc=$?"

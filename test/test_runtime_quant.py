@@ -1,10 +1,12 @@
 """Weight-only quantization: the fused Triton GEMVs against their references (through Triton's interpreter on the
 CPU), the encoders against independent float64 roundings, compressed-tensors checkpoints against quantize-at-load,
 capsules per format, refusal across formats, and fidelity figures."""
+import importlib.util
 import itertools
 import json
 import math
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,18 @@ from flashrt_ros.runtime.kernels import quant_gemv as kq
 from flashrt_ros.runtime.kernels._triton import triton
 from flashrt_ros.runtime.verify import verify
 from kernel_checks import describe
+
+
+def _load_tuner():
+    """bench/tune_quant_gemv.py as a module (bench/ is no package)."""
+    spec = importlib.util.spec_from_file_location("tune_quant_gemv", TUNER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TUNER = Path(__file__).resolve().parents[1] / "bench" / "tune_quant_gemv.py"
+tune = _load_tuner()
 
 needs_triton = pytest.mark.skipif(triton is None, reason="triton is not importable")
 QUANTIZED = ("fp8", "nvfp4")
@@ -169,6 +183,85 @@ def test_triton_gemv_matches_its_reference(fmt, dtype, rows, n, k, poisoned_empt
     assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max())), describe(got, want)
 
 
+def _fused_and_reference(weight: quant.QuantizedWeight):
+    args = tuple(weight.tensors().values())
+    if weight.fmt == "fp8":
+        return (lambda x, config=None: kq.fp8_linear_triton(x, *args, config=config)), kq.fp8_linear_reference, args
+    return (lambda x, config=None: kq.nvfp4_linear_triton(x, *args, config=config)), kq.nvfp4_linear_reference, args
+
+
+def assert_matches_reference(fmt, x, weight, config=None):
+    fused, reference, args = _fused_and_reference(weight)
+    got, want = fused(x, config), reference(x, *args)
+    assert got.shape == want.shape and got.dtype == x.dtype and not got.isnan().any(), (fmt, config)
+    tol = 1e-4 if x.dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max())), (
+        fmt, config, describe(got, want))
+
+
+def _scaled_down_preset_shapes() -> list[tuple[int, int]]:
+    """The presets' projection shapes (N, K) divided by 512 along N and 32 along K, kept multiples of 128 in K."""
+    shapes = set()
+    for preset in ("qwen3.5-0.8b", "qwen3.6-27b"):
+        for n, k in tune.projection_shapes(preset):
+            shapes.add((max(1, n // 512), max(128, k // 32 // 128 * 128)))
+    return sorted(shapes)
+
+
+SCALED_SHAPES = _scaled_down_preset_shapes()   # at import: meta models, outside poisoned_empty
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "nvfp4"])
+def test_triton_gemv_matches_its_reference_at_random_shapes_and_rows(fmt, seed, poisoned_empty):
+    """Random scaled-down preset shapes (and ragged N), random rows in 1..the fused threshold, either dtype."""
+    g_ = gen(zlib.crc32(repr((fmt, seed)).encode()))
+    n, k = SCALED_SHAPES[int(torch.randint(len(SCALED_SHAPES), (1,), generator=g_))]
+    n += int(torch.randint(0, 7, (1,), generator=g_))
+    limit = max(kq.fused_max_rows(fmt, torch.device("cpu")), max(kq.ROW_BUCKETS))
+    rows = 1 if seed % 2 == 0 else int(torch.randint(2, limit + 1, (1,), generator=g_))
+    dtype = (torch.float32, torch.bfloat16)[seed % 3 == 0]
+    assert_matches_reference(fmt, torch.randn(rows, k, generator=g_).to(dtype), random_weight(fmt, n, k, g_))
+
+
+def _interpreted_configs() -> set[tuple[str, int, kq.GemvConfig]]:
+    """(weight kind, rows bucket, config) of every table entry and every configuration the tuner sweeps, with warps
+    and stages dropped (the interpreter ignores them) and one and two K slices."""
+    configs = {(kind, bucket, cfg) for table in kq.quant_gemv_configs.TABLE.values()
+               for (kind, _, _, bucket), cfg in ((key, kq.GemvConfig(*c)) for key, c in table["configs"].items())}
+    configs |= {(kind, bucket, cfg) for kind in kq.WEIGHT_KINDS for bucket in kq.ROW_BUCKETS
+                for cfg in tune.candidates(kind, bucket)}
+    return {(kind, bucket, cfg._replace(num_warps=4, num_stages=1, splits=s))
+            for kind, bucket, cfg in configs for s in (1, 2)}
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "nvfp4"])
+def test_every_tabled_and_swept_config_is_correct(fmt, poisoned_empty):
+    """The table's configurations must all be right, not only the default: each on a small shape at a row count of
+    its bucket, with a ragged N and a K that leaves a partial last tile for the larger tiles."""
+    weight = random_weight(fmt, 72, 640, gen(zlib.crc32(fmt.encode())))
+    cases = sorted((b, c) for kind, b, c in _interpreted_configs() if kind == fmt)
+    assert len(cases) >= 16
+    for bucket, config in cases:
+        rows = bucket if bucket == 1 else bucket - 3
+        assert_matches_reference(fmt, torch.randn(rows, 640, generator=gen(bucket)), weight, config)
+
+
+def test_the_config_is_the_tables_for_its_device_and_the_default_elsewhere(monkeypatch):
+    tabled = kq.GemvConfig(64, 512, 8, 1, 3)
+    monkeypatch.setattr(kq.quant_gemv_configs, "TABLE", {"cpu": {"configs": {("nvfp4", 40, 512, 16): tuple(tabled)},
+                                                                  "fused_max_rows": {"nvfp4": 32}}})
+    cpu, other = torch.device("cpu"), torch.device("meta")
+    assert [kq.gemv_config("nvfp4", 40, 512, rows, cpu) for rows in (9, 16)] == [tabled, tabled]
+    for rows, n, device in ((17, 40, cpu), (16, 48, cpu), (16, 40, other)):
+        assert kq.gemv_config("nvfp4", n, 512, rows, device) == kq.default_config("nvfp4", n, 512, kq.rows_bucket(rows))
+    assert kq.fused_max_rows("nvfp4", cpu) == 32
+    assert kq.fused_max_rows("fp8", cpu) == kq.fused_max_rows("nvfp4", other) == \
+        kq.quant_gemv_configs.DEFAULT_FUSED_MAX_ROWS
+
+
 @needs_triton
 def test_triton_gemv_is_deterministic_and_rows_do_not_interact():
     """Same inputs, same bytes; a row's result does not depend on the other rows of its piece."""
@@ -202,17 +295,20 @@ def test_triton_dequantise_writes_the_reference_weights(fmt, dtype, poisoned_emp
 
 
 @needs_triton
-def test_quant_linear_takes_the_fused_gemv_up_to_its_rows_and_a_gemm_beyond(monkeypatch):
+@pytest.mark.parametrize("limit", [1, 16, 40])
+def test_quant_linear_takes_the_fused_gemv_up_to_its_rows_and_a_gemm_beyond(monkeypatch, limit):
     weight = quant.quantize_nvfp4(torch.randn(16, 64, generator=gen(9)))
     layer = quant.QuantLinear(weight, use_triton=True)
     calls = []
     monkeypatch.setitem(quant._LINEAR, "nvfp4", (kq.nvfp4_linear_reference,
                                                  lambda *a: calls.append("fused") or kq.nvfp4_linear_reference(*a)))
     monkeypatch.setattr(kq, "dequantize_triton", lambda *a: calls.append("dequantise") or weight.dequantize())
+    monkeypatch.setattr(kq.quant_gemv_configs, "TABLE", {"cpu": {"configs": {}, "fused_max_rows": {"nvfp4": limit}}})
     x = torch.randn(kq.GEMV_MAX_ROWS + 1, 64, generator=gen(10))
-    layer(x[:6].reshape(2, 3, 64))
+    layer(x[:limit].reshape(limit, 1, 64))
+    layer(x[:limit + 1])
     assert torch.allclose(layer(x), kq.nvfp4_linear_reference(x, *weight.tensors().values()), atol=1e-5)
-    assert calls == ["fused", "dequantise"]
+    assert calls == ["fused", "dequantise", "dequantise"]
     assert quant.QuantLinear(weight, use_triton=False)(x).shape == (kq.GEMV_MAX_ROWS + 1, 16)
 
 
@@ -459,3 +555,50 @@ def test_gpu_gemv_matches_its_reference_at_model_shapes(fmt, rows, n, k):
     fast = quant.QuantLinear(weight, use_triton=True)(x).float()
     want = quant.QuantLinear(weight, use_triton=False)(x).float()
     assert torch.allclose(fast, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), describe(fast, want)
+
+
+# ---- the config sweep (bench/tune_quant_gemv.py) -------------------------------------------------------------------
+def _timing(kind, n, k, rows, config, us, correct=True):
+    return {"kind": kind, "N": n, "K": k, "rows": rows, "config": list(config), "us": us, "correct": correct}
+
+
+def test_the_sweep_selection_picks_the_fastest_correct_config_per_bucket_and_the_fused_threshold():
+    a, b, wrong = kq.GemvConfig(32, 256, 4, 3, 1), kq.GemvConfig(64, 128, 8, 3, 2), kq.GemvConfig(16, 512, 4, 1, 1)
+    entries = [_timing("nvfp4", 64, 512, 1, a, 5.0), _timing("nvfp4", 64, 512, 1, b, 4.0),
+               _timing("nvfp4", 64, 512, 1, wrong, None, correct=False),
+               # bucket 32 (rows 24, 32): b is faster at 24, a over both; `wrong` is never chosen
+               _timing("nvfp4", 64, 512, 24, a, 6.0), _timing("nvfp4", 64, 512, 24, b, 5.0),
+               _timing("nvfp4", 64, 512, 32, a, 6.0), _timing("nvfp4", 64, 512, 32, b, 8.0),
+               _timing("nvfp4", 64, 512, 32, wrong, None, correct=False),
+               # bucket 16: `wrong` was only timed at 8 (not 16): incomplete, not chosen though fastest
+               _timing("nvfp4", 64, 512, 8, a, 9.0), _timing("nvfp4", 64, 512, 16, a, 9.0),
+               _timing("nvfp4", 64, 512, 8, b, 1.0)]
+    gemm = [{"kind": "nvfp4 dequantise+gemm", "N": 64, "K": 512, "rows": r, "us": us}
+            for r, us in ((1, 50.0), (8, 5.0), (16, 10.0), (24, 10.0), (32, 3.0))]
+    chosen = tune.select(entries, gemm + [{"kind": "dense", "N": 64, "K": 512, "rows": 1, "us": 1.0}])
+    assert chosen["configs"] == {("nvfp4", 64, 512, 1): tuple(b), ("nvfp4", 64, 512, 16): tuple(a),
+                                 ("nvfp4", 64, 512, 32): tuple(a)}
+    # fused beats dequantise + GEMM at rows 1, 8 (1.0 < 5.0), 16, 24, but not at 32
+    assert chosen["fused_max_rows"] == {"nvfp4": 24}
+
+
+@needs_triton
+def test_a_tiny_sweep_writes_a_table_module_that_the_kernels_then_use(tmp_path, monkeypatch):
+    picked = [kq.GemvConfig(16, 128, 4, 1), kq.GemvConfig(32, 256, 4, 1)]
+    result = tune.sweep([(24, 256)], (1, 8), torch.device("cpu"), torch.float32, repeats=1, budget_s=60,
+                        candidates_of=lambda kind, bucket: picked, kinds=("fp8", "nvfp4"))
+    assert result["entries"] and all(e["correct"] for e in result["entries"]) and not result["untuned"]
+    assert {(e["kind"], e["rows"]) for e in result["entries"]} == {(k, r) for k in ("fp8", "nvfp4") for r in (1, 8)}
+    chosen = tune.select(result["entries"], result["baselines"])
+    source = tune.table_source({"other GPU": {"configs": {}, "fused_max_rows": {"fp8": 64}}, "cpu": chosen})
+    (tmp_path / "table.py").write_text(source)
+    spec = importlib.util.spec_from_file_location("written_table", tmp_path / "table.py")
+    written = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(written)
+    assert written.TABLE["cpu"] == chosen and written.TABLE["other GPU"]["fused_max_rows"] == {"fp8": 64}
+    assert written.DEFAULT_FUSED_MAX_ROWS == kq.quant_gemv_configs.DEFAULT_FUSED_MAX_ROWS
+    assert set(chosen["configs"]) == {(k, 24, 256, b) for k in ("fp8", "nvfp4") for b in (1, 16)}
+    monkeypatch.setattr(kq.quant_gemv_configs, "TABLE", written.TABLE)
+    for (kind, n, k, bucket), config in chosen["configs"].items():
+        assert kq.gemv_config(kind, n, k, bucket, torch.device("cpu")) == kq.GemvConfig(*config)
+        assert config[:2] in {tuple(c[:2]) for c in picked}

@@ -187,14 +187,15 @@ def _fp8_scale_per_row(scale: torch.Tensor, n: int, k: int, bad) -> torch.Tensor
 # ---- the module and the model walk ---------------------------------------------------------------------------------
 class QuantLinear(nn.Module):
     """``y = x @ dequant(W).T`` for a bias-free projection. With ``use_triton``, up to
-    :data:`~.kernels.quant_gemv.GEMV_MAX_ROWS` rows use the fused GEMV and longer pieces a one-pass Triton dequantise
-    + GEMM; without (the CPU), PyTorch dequantises and multiplies."""
+    :func:`~.kernels.quant_gemv.fused_max_rows` rows (decode and short pieces) use the fused GEMV and longer pieces
+    a one-pass Triton dequantise + GEMM; without (the CPU), PyTorch dequantises and multiplies."""
 
     def __init__(self, weight: QuantizedWeight, use_triton: bool):
         super().__init__()
         self.fmt = weight.fmt
         self.out_features, self.in_features = weight.shape
         self.use_triton = use_triton
+        self.kind = kq.weight_kind(self.fmt == "nvfp4", self.in_features // weight.scale.shape[1], self.in_features)
         for name, tensor in weight.tensors().items():   # parameters, so the weights digest covers their bytes
             setattr(self, name, nn.Parameter(tensor, requires_grad=False))
 
@@ -206,7 +207,7 @@ class QuantLinear(nn.Module):
         reference, fused = _LINEAR[self.fmt]
         if not self.use_triton:
             out = reference(flat, *weight.tensors().values())
-        elif flat.shape[0] <= kq.GEMV_MAX_ROWS:
+        elif flat.shape[0] <= kq.fused_max_rows(self.kind, flat.device):
             out = fused(flat, *weight.tensors().values())
         else:
             out = F.linear(flat, kq.dequantize_triton(weight.q, weight.scale, weight.row_scale, x.dtype))

@@ -11,24 +11,76 @@
 
 ``*_reference``: dequantise in PyTorch, then ``F.linear`` (the CPU path and the oracle).
 ``*_triton``: one fused kernel that streams the quantized bytes, dequantises in registers and multiplies, for up to
-:data:`GEMV_MAX_ROWS` rows of ``x`` (decode, and prefill pieces up to 256 tokens): the weights are never expanded in
-memory, and each block of 64 rows reads them once. Its K-reduction order is fixed by the launch shape, so results
-are deterministic. Longer pieces are compute-bound: :func:`dequantize_triton` writes the weights in ``x``'s dtype in
-one pass and cuBLAS multiplies.
+:data:`GEMV_MAX_ROWS` rows of ``x``: the weights are never expanded in memory. One row (decode) sums ``x * value``
+within each scale group first and applies the group's scale once; several rows use ``tl.dot``, and each block of up
+to 64 rows re-reads the weights, so :class:`~..quant.QuantLinear` sends only pieces of up to
+:func:`fused_max_rows` rows here; longer pieces are compute-bound: :func:`dequantize_triton` writes the weights in
+``x``'s dtype in one pass and cuBLAS multiplies.
+
+Launch configurations (tile sizes, warps, pipeline stages, split-K count) come from the fixed table in
+:mod:`.quant_gemv_configs`, keyed by device name, weight kind, ``N``, ``K`` and rows bucket, written by
+``bench/tune_quant_gemv.py`` from a sweep on that device; unseen shapes and devices get :func:`default_config`.
+The configuration fixes the K-reduction order (split-K partials are summed in a fixed order, never with atomics),
+so it must be a deterministic function of shape and device: never ``triton.autotune``, whose timing-dependent
+choice would let a capsule persisted on disk continue differently after a restart.
 """
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from . import quant_gemv_configs
 from ._triton import INTERPRETED, jit, tl, triton
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitudes of codes 0-7; bit 3 is the sign
 NVFP4_GROUP = 16
-GEMV_MAX_ROWS = 256                 # fused up to here (Thor's 256-token prefill pieces); GEMM beyond
-_MAX_BLOCK_L = 64                   # rows per program; more rows run as more programs
-_BLOCK_N = 32
-_BLOCK_K = 256
+GEMV_MAX_ROWS = 256                 # the most rows the fused kernel takes (QuantLinear sends fewer: fused_max_rows)
+ROW_BUCKETS = (1, 16, 32, 64)       # rows per program (BLOCK_L); the table's rows key; more rows: more programs
+WEIGHT_KINDS = ("fp8", "fp8-block", "nvfp4")   # the table's weight key: fp8 per channel, fp8 block-scaled, nvfp4
+_DEQUANT_BLOCK_N, _DEQUANT_BLOCK_K = 32, 256
+
+
+class GemvConfig(NamedTuple):
+    """One launch configuration. ``block_k``: weight values per step (bytes of fp8, twice the bytes of nvfp4);
+    ``splits``: K slices (0: enough for ~4 programs per SM, from the device's SM count)."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    splits: int = 0
+
+
+def rows_bucket(rows: int) -> int:
+    return next((b for b in ROW_BUCKETS if b >= rows), ROW_BUCKETS[-1])
+
+
+def weight_kind(nvfp4: bool, group: int, k: int) -> str:
+    return "nvfp4" if nvfp4 else "fp8" if group == k else "fp8-block"
+
+
+def default_config(kind: str, n: int, k: int, bucket: int) -> GemvConfig:
+    """The heuristic for shapes and devices the table does not list."""
+    return GemvConfig(32, 512 if kind == "nvfp4" and bucket == 1 else 256, 4, 3)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def gemv_config(kind: str, n: int, k: int, rows: int, device: torch.device) -> GemvConfig:
+    """The table's configuration for this launch, else :func:`default_config`: a function of shape and device only."""
+    bucket = rows_bucket(rows)
+    entry = quant_gemv_configs.TABLE.get(device_name(device), {}).get("configs", {}).get((kind, n, k, bucket))
+    return GemvConfig(*entry) if entry else default_config(kind, n, k, bucket)
+
+
+def fused_max_rows(kind: str, device: torch.device) -> int:
+    """Up to this many rows QuantLinear takes the fused GEMV; beyond, dequantise + cuBLAS (from the sweep)."""
+    limits = quant_gemv_configs.TABLE.get(device_name(device), {}).get("fused_max_rows", {})
+    return limits.get(kind, quant_gemv_configs.DEFAULT_FUSED_MAX_ROWS)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -68,18 +120,20 @@ def _e2m1_over_2_14(code):
 
 
 @jit
-def _accumulate(acc, x, w, ONE_ROW: tl.constexpr, IEEE: tl.constexpr):
-    """acc += x @ w.T. One row (decode): fp32 FMAs into a [BLOCK_N, k] accumulator that is summed once after the
-    loop, so no tensor-core padding. Several rows: tl.dot on w rounded to x's dtype; fp32 inputs multiply in full
-    precision, never TF32. Triton's interpreter multiplies bf16 operands of tl.dot as raw bit patterns, so there
-    (IEEE is set) both go through fp32.
+def _widen(scale, BLOCK_N: tl.constexpr, COLS: tl.constexpr, GROUP_COLS: tl.constexpr):
+    """[BLOCK_N, COLS / GROUP_COLS] scales -> [BLOCK_N, COLS], each repeated over its group, in registers (a
+    per-value gather would issue as many loads as the weights themselves)."""
+    return tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, COLS // GROUP_COLS, GROUP_COLS)), (BLOCK_N, COLS))
 
-    One return after an if/elif/else on the constexprs: Triton <= 3.6 still type-checks the statements after a
-    ``return`` inside a constexpr ``if`` (as dead code), and ``acc + tl.dot(...)`` does not type-check at ONE_ROW's
-    shapes ("CompilationError ... incompatible dimensions")."""
-    if ONE_ROW:
-        acc = acc + w * x.to(tl.float32)
-    elif IEEE:
+
+@jit
+def _dot(acc, x, w, IEEE: tl.constexpr):
+    """acc += x @ w.T on w rounded to x's dtype; fp32 inputs multiply in full precision, never TF32. Triton's
+    interpreter multiplies bf16 operands of tl.dot as raw bit patterns, so there (IEEE is set) both go through fp32.
+
+    One return after an if/else on the constexpr: Triton <= 3.6 still type-checks the statements after a ``return``
+    inside a constexpr ``if`` (as dead code), which fails where the dead branch does not type-check."""
+    if IEEE:
         acc = acc + tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
     else:
         acc = acc + tl.dot(x, tl.trans(w.to(x.dtype)))
@@ -88,54 +142,72 @@ def _accumulate(acc, x, w, ONE_ROW: tl.constexpr, IEEE: tl.constexpr):
 
 @jit
 def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, k_split,
-                       NVFP4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, IEEE: tl.constexpr,
-                       ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       TILE_K: tl.constexpr):
+                       NVFP4: tl.constexpr, GROUP: tl.constexpr, GROUP_COLS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                       GROUPED: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     """One [BLOCK_L, BLOCK_N] output tile over one K slice: out[split, l, n]. Program axes: row block of W, split-K
-    index, block of x's rows (each block re-reads its weights: fine up to GEMV_MAX_ROWS, where the GEMM path starts).
+    index, block of x's rows (each block re-reads its weights).
 
-    ONE_ROW (BLOCK_L 1) is decode, with elementwise FMAs; otherwise rows are padded to BLOCK_L >= 16 for tl.dot.
-    TILE_K: weight columns per step (BLOCK_K bytes of fp8, BLOCK_K / 2 bytes of packed nvfp4)."""
+    BLOCK_K values per step; GROUP_COLS stored columns (bytes) per scale group. GROUPED: a tile holds whole scale groups (nvfp4 always; fp8 when its group divides
+    BLOCK_K), whose [BLOCK_N, BLOCK_K / GROUP] scales load once per tile. ONE_ROW (decode): x loads contiguously
+    once per tile (nvfp4 splits it into even and odd k in registers); grouped, each group's x * value products are
+    summed and scaled once into a [BLOCK_N, BLOCK_K / GROUP] accumulator, otherwise accumulated elementwise into
+    [BLOCK_N, BLOCK_K]; either is summed once after the loop. Several rows: x's rows are padded to BLOCK_L >= 16,
+    the tile is dequantised (nvfp4's nibbles interleaved back into k order) and goes through tl.dot."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     row_ok = rows < N
     token_ok = tokens < L
     wide_rows = rows.to(tl.int64)
-    if ONE_ROW:
-        acc = tl.zeros((BLOCK_N, TILE_K), dtype=tl.float32)
-    else:
+    if not ONE_ROW:
         acc = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
+    elif GROUPED:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     # fp8 loads take no `other`: their masked lanes are undefined (maybe NaN) until zeroed with tl.where.
     k_begin = tl.program_id(1) * k_split
     for k0 in range(k_begin, k_begin + k_split, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if GROUPED:
+            group = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s_mask = row_ok[:, None] & (group < K // GROUP)[None, :]
+            scale = tl.load(s_ptr + wide_rows[:, None] * (K // GROUP) + group[None, :], mask=s_mask)
+            scale = tl.where(s_mask, scale.to(tl.float32), 0.0)
+            if NVFP4:
+                scale = scale * 16384.0
         if NVFP4:
-            byte_index = k0 // 2 + tl.arange(0, TILE_K)               # byte j holds k = 2j (low) and 2j + 1 (high)
+            byte_index = k0 // 2 + tl.arange(0, BLOCK_K // 2)         # byte j holds k = 2j (low) and 2j + 1 (high)
             w_mask = row_ok[:, None] & (byte_index < K // 2)[None, :]
             packed = tl.load(q_ptr + wide_rows[:, None] * (K // 2) + byte_index[None, :], mask=w_mask, other=0)
             packed = packed.to(tl.int32)
-            # One E4M3 scale per 8 bytes: load the [BLOCK_N, TILE_K / 8] scales once, then widen them in registers
-            # (a per-byte gather would issue 8x the loads of the weights themselves).
-            group = k0 // 16 + tl.arange(0, TILE_K // 8)
-            s_mask = row_ok[:, None] & (group < K // 16)[None, :]
-            scale = tl.load(s_ptr + wide_rows[:, None] * (K // 16) + group[None, :], mask=s_mask)
-            scale = tl.where(s_mask, scale.to(tl.float32) * 16384.0, 0.0)
-            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, TILE_K // 8, 8)), (BLOCK_N, TILE_K))
-            x_mask = token_ok[:, None] & (byte_index < K // 2)[None, :]
-            x_even = tl.load(x_ptr + tokens[:, None] * stride_x + 2 * byte_index[None, :], mask=x_mask, other=0)
-            x_odd = tl.load(x_ptr + tokens[:, None] * stride_x + 2 * byte_index[None, :] + 1, mask=x_mask, other=0)
-            acc = _accumulate(acc, x_even, _e2m1_over_2_14(packed & 15) * scale, ONE_ROW, IEEE)
-            acc = _accumulate(acc, x_odd, _e2m1_over_2_14(packed >> 4) * scale, ONE_ROW, IEEE)
+            low, high = _e2m1_over_2_14(packed & 15), _e2m1_over_2_14(packed >> 4)
         else:
-            k = k0 + tl.arange(0, BLOCK_K)
             w_mask = row_ok[:, None] & (k < K)[None, :]
             w = tl.where(w_mask, tl.load(q_ptr + wide_rows[:, None] * K + k[None, :], mask=w_mask).to(tl.float32),
                          0.0)
-            if not PER_CHANNEL:                                       # per-channel scales apply after the loop
+            if not PER_CHANNEL and not GROUPED:                       # per-channel scales apply after the loop
                 w = w * tl.load(s_ptr + wide_rows[:, None] * (K // GROUP) + (k // GROUP)[None, :], mask=w_mask,
                                 other=0)
+        if ONE_ROW:
+            xk = tl.load(x_ptr + tokens * stride_x + k, mask=k < K, other=0).to(tl.float32)
+            if NVFP4:
+                x_even, x_odd = tl.split(tl.reshape(xk, (BLOCK_K // 2, 2)))
+                products = low * x_even[None, :] + high * x_odd[None, :]
+            else:
+                products = w * xk[None, :]
+            if GROUPED:
+                acc = acc + tl.sum(tl.reshape(products, (BLOCK_N, BLOCK_K // GROUP, GROUP_COLS)), axis=2) * scale
+            else:
+                acc = acc + products
+        else:
+            if NVFP4:
+                w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+            if GROUPED:
+                w = w * _widen(scale, BLOCK_N, BLOCK_K, GROUP)
             xk = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=token_ok[:, None] & (k < K)[None, :],
                          other=0)
-            acc = _accumulate(acc, xk, w, ONE_ROW, IEEE)
+            acc = _dot(acc, xk, w, IEEE)
     if ONE_ROW:
         result = tl.sum(acc, axis=1)[None, :]
     else:
@@ -148,43 +220,54 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, k
     tl.store(out, result.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
 
 
-def _splits(device: torch.device, n_blocks: int, k_blocks: int) -> int:
-    """Split K until there are ~4 programs per SM (a 1024-row GEMV has only 32 row blocks), never below one block."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(k_blocks, -(-4 * sms // n_blocks)))
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _splits(device: torch.device, programs: int, k_blocks: int, splits: int) -> int:
+    """``splits`` (0: split K until there are ~4 programs per SM), never more than one per K block."""
+    wanted = splits or -(-4 * _sm_count(device) // programs)
+    return max(1, min(k_blocks, wanted))
 
 
 def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor | None,
-            n: int, k: int, group: int) -> torch.Tensor:
+            n: int, k: int, group: int, config: GemvConfig | None) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("Triton is not available")
     rows = x.shape[0]
     if not 0 < rows <= GEMV_MAX_ROWS:
         raise ValueError(f"the fused GEMV takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
     x = x.contiguous()
-    block_l = 1 if rows == 1 else min(_MAX_BLOCK_L, max(16, triton.next_power_of_2(rows)))
-    n_blocks, k_blocks, l_blocks = triton.cdiv(n, _BLOCK_N), triton.cdiv(k, _BLOCK_K), triton.cdiv(rows, block_l)
-    splits = _splits(x.device, n_blocks * l_blocks, k_blocks)
-    k_split = triton.cdiv(k_blocks, splits) * _BLOCK_K
+    nvfp4 = row_scale is not None
+    kind = weight_kind(nvfp4, group, k)
+    config = config or gemv_config(kind, n, k, rows, x.device)
+    block_l, block_k = rows_bucket(rows), config.block_k
+    if nvfp4 and block_k % NVFP4_GROUP:
+        raise ValueError(f"nvfp4 tiles hold whole {NVFP4_GROUP}-value groups, got block_k {block_k}")
+    n_blocks, k_blocks, l_blocks = triton.cdiv(n, config.block_n), triton.cdiv(k, block_k), triton.cdiv(rows, block_l)
+    splits = _splits(x.device, n_blocks * l_blocks, k_blocks, config.splits)
+    k_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(k, k_split)
     out = torch.empty((splits, rows, n), device=x.device, dtype=x.dtype if splits == 1 else torch.float32)
-    nvfp4 = row_scale is not None
     _quant_gemv_kernel[(n_blocks, splits, l_blocks)](
         x, q, scale, row_scale if nvfp4 else scale, out, rows, n, k, x.stride(0), k_split,
-        NVFP4=nvfp4, GROUP=group, PER_CHANNEL=not nvfp4 and group == k, IEEE=x.dtype == torch.float32 or INTERPRETED,
-        ONE_ROW=rows == 1, BLOCK_L=block_l, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, TILE_K=_BLOCK_K // 2 if nvfp4 else _BLOCK_K, num_warps=4)
+        NVFP4=nvfp4, GROUP=group, GROUP_COLS=group // 2 if nvfp4 else group, PER_CHANNEL=kind == "fp8", GROUPED=kind != "fp8" and block_k % group == 0,
+        IEEE=x.dtype == torch.float32 or INTERPRETED, ONE_ROW=rows == 1, BLOCK_L=block_l, BLOCK_N=config.block_n,
+        BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)   # fixed-order reduction: deterministic
 
 
-def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                      config: GemvConfig | None = None) -> torch.Tensor:
     n, k = q.shape
-    return _launch(x, q, scale, None, n, k, k // scale.shape[1])
+    return _launch(x, q, scale, None, n, k, k // scale.shape[1], config)
 
 
-def nvfp4_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                        row_scale: torch.Tensor) -> torch.Tensor:
+def nvfp4_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
+                        config: GemvConfig | None = None) -> torch.Tensor:
     n, k = q.shape[0], 2 * q.shape[1]
-    return _launch(x, q, scale, row_scale, n, k, NVFP4_GROUP)
+    return _launch(x, q, scale, row_scale, n, k, NVFP4_GROUP, config)
 
 
 @jit
@@ -218,8 +301,8 @@ def dequantize_triton(q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Ten
     nvfp4 = row_scale is not None
     n, k = q.shape[0], q.shape[1] * (2 if nvfp4 else 1)
     out = torch.empty((n, k), device=q.device, dtype=dtype)
-    tile_k = _BLOCK_K // 2 if nvfp4 else _BLOCK_K
-    _dequant_kernel[(triton.cdiv(n, _BLOCK_N), triton.cdiv(q.shape[1], tile_k))](
+    tile_k = _DEQUANT_BLOCK_K // 2 if nvfp4 else _DEQUANT_BLOCK_K
+    _dequant_kernel[(triton.cdiv(n, _DEQUANT_BLOCK_N), triton.cdiv(q.shape[1], tile_k))](
         q, scale, row_scale if nvfp4 else scale, out, n, k, NVFP4=nvfp4,
-        GROUP=NVFP4_GROUP if nvfp4 else k // scale.shape[1], BLOCK_N=_BLOCK_N, TILE_K=tile_k, num_warps=4)
+        GROUP=NVFP4_GROUP if nvfp4 else k // scale.shape[1], BLOCK_N=_DEQUANT_BLOCK_N, TILE_K=tile_k, num_warps=4)
     return out

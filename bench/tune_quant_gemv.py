@@ -1,0 +1,220 @@
+"""Sweep the fused quantized GEMV's launch configurations on this device and write the table it then uses.
+
+    python3 bench/tune_quant_gemv.py --out $OUT/tune.json --write-table $OUT/quant_gemv_configs.py
+           [--presets qwen3.5-0.8b,qwen3.6-27b] [--rows 1,8,16,24,32,64] [--budget-s 200] [--repeats 5]
+
+For each weight kind (fp8 per channel, fp8 with 128-wide block scales, nvfp4), each projection shape of the presets
+(after fusion, and the LM head) and each row count, every candidate configuration is timed inside CUDA graphs
+(``bench_quant._time_calls_us``) and its output checked against the reference (wrong ones are skipped and
+reported); beside them cuBLAS bf16 ``F.linear`` on the dense weights and the long-piece path (dequantise + cuBLAS).
+Per (kind, N, K, rows bucket) the fastest correct configuration over the bucket's row counts is chosen; per kind,
+``fused_max_rows`` is the largest row count up to which the fused GEMV beats dequantise + cuBLAS summed over the
+shapes. The JSON has every timing; ``--write-table`` writes the module ``quant_gemv_configs.py`` with this device's
+entries merged into the table already in the tree (copy it over flashrt_ros/runtime/kernels/quant_gemv_configs.py
+and commit it). Row counts are swept in order, 1 first, and each shape's candidates only while ``--budget-s``
+lasts; what it leaves untimed keeps the default configuration (listed under ``untuned``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pprint
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from flashrt_ros.runtime import quant  # noqa: E402
+from flashrt_ros.runtime.bench_quant import _time_calls_us  # noqa: E402
+from flashrt_ros.runtime.config import PRESETS  # noqa: E402
+from flashrt_ros.runtime.kernels import quant_gemv as kq  # noqa: E402
+from flashrt_ros.runtime.kernels import quant_gemv_configs  # noqa: E402
+from flashrt_ros.runtime.model import Qwen35  # noqa: E402
+
+ROWS = (1, 8, 16, 24, 32, 64)        # decode, the small-piece buckets up to SMALL_PIECE (model.py)
+FP8_BLOCK = 128                      # compressed-tensors' block-scaled FP8 checkpoints
+TOLERANCE = 2e-2                     # bf16 activations: relative to the largest output
+
+
+def projection_shapes(preset: str) -> list[tuple[int, int]]:
+    """(N, K) of every fused projection and of the LM head, from a meta-device model (as bench_quant builds one)."""
+    with torch.device("meta"):
+        model = Qwen35(PRESETS[preset])
+    model.fuse_projections()
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
+    return sorted(shapes | {tuple(model.output_weight().shape)})
+
+
+def candidates(kind: str, bucket: int) -> list[kq.GemvConfig]:
+    """The configurations swept (splits resolved per shape by :func:`split_choices`)."""
+    if bucket == 1:
+        return [kq.GemvConfig(bn, bk, w, s) for bn in (16, 32, 64) for bk in (256, 512) for w in (4, 8)
+                for s in (1, 3)]
+    return [kq.GemvConfig(bn, bk, w, 3) for bn in (32, 64) for bk in (128, 256) for w in (4, 8)]
+
+
+def split_choices(config: kq.GemvConfig, n: int, k: int, rows: int, device: torch.device) -> list[kq.GemvConfig]:
+    """The configuration with one K slice, with the default's count (~4 programs per SM) and half of it."""
+    programs = -(-n // config.block_n) * -(-rows // kq.rows_bucket(rows))
+    k_blocks = -(-k // config.block_k)
+    counts = sorted({1, kq._splits(device, programs, k_blocks, 0), max(1, kq._splits(device, programs, k_blocks, 0) // 2)})
+    return [config._replace(splits=s) for s in counts]
+
+
+def make_weight(kind: str, w: torch.Tensor, generator: torch.Generator) -> quant.QuantizedWeight:
+    if kind == "fp8-block":
+        n, k = w.shape
+        scale = torch.rand(-(-n // FP8_BLOCK), k // FP8_BLOCK, device=w.device, generator=generator) / k ** 0.5
+        return quant.from_checkpoint("w", {"weight": (w * k ** 0.5 * 50).to(torch.float8_e4m3fn),
+                                           "weight_scale": scale})
+    return quant.QUANTIZERS[kind](w)
+
+
+def _linears(weight: quant.QuantizedWeight):
+    if weight.fmt == "fp8":
+        return kq.fp8_linear_triton, kq.fp8_linear_reference
+    return kq.nvfp4_linear_triton, kq.nvfp4_linear_reference
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool(torch.isfinite(got).all()) and torch.allclose(
+        got.float(), want.float(), rtol=TOLERANCE, atol=TOLERANCE * float(want.abs().max()))
+
+
+def sweep(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.device, dtype: torch.dtype,
+          repeats: int, budget_s: float, candidates_of=candidates, kinds=kq.WEIGHT_KINDS) -> dict:
+    """Every timing, as JSON-ready records; ``entries``: kind, N, K, rows, config, us, correct."""
+    started = time.perf_counter()
+    generator = torch.Generator(device=device).manual_seed(0)
+    entries, baselines, untuned = [], [], []
+    setup = {}
+    for n, k in shapes:
+        dense = torch.randn(n, k, device=device, dtype=dtype, generator=generator) / k ** 0.5
+        x = torch.randn(max(rows), k, device=device, dtype=dtype, generator=generator)
+        for kind in kinds:
+            if kind == "fp8-block" and k % FP8_BLOCK:
+                continue
+            weight = make_weight(kind, dense.float(), generator)
+            setup[kind, n, k] = (weight, x, _linears(weight)[1](x, *weight.tensors().values()))
+        for r in rows:
+            baselines.append({"N": n, "K": k, "rows": r, "kind": "dense",
+                              "us": _time_calls_us(device, lambda: F.linear(x[:r], dense), repeats)})
+        del dense
+    for r in rows:
+        for (kind, n, k), (weight, x, want) in setup.items():
+            fused, _ = _linears(weight)
+            tensors = tuple(weight.tensors().values())
+            xr = x[:r].contiguous()
+            baselines.append({"N": n, "K": k, "rows": r, "kind": f"{kind} dequantise+gemm", "us": _time_calls_us(
+                device, lambda: F.linear(xr, kq.dequantize_triton(weight.q, weight.scale, weight.row_scale, dtype)),
+                repeats)})
+            for base in candidates_of(kind, kq.rows_bucket(r)):
+                for config in split_choices(base, n, k, r, device):
+                    if time.perf_counter() - started > budget_s:
+                        untuned.append({"kind": kind, "N": n, "K": k, "rows": r})
+                        break
+                    correct = _close(fused(xr, *tensors, config=config), want[:r])
+                    us = _time_calls_us(device, lambda: fused(xr, *tensors, config=config), repeats) if correct \
+                        else None
+                    entries.append({"kind": kind, "N": n, "K": k, "rows": r, "config": list(config), "us": us,
+                                    "correct": correct})
+                else:
+                    continue
+                break
+    return {"entries": entries, "baselines": baselines, "untuned": untuned,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def select(entries: list[dict], baselines: list[dict]) -> dict:
+    """The table entry of one device: per (kind, N, K, bucket) the correct configuration of least total time over
+    the bucket's row counts (only configurations timed at all of them; ties: the first swept), and per kind
+    ``fused_max_rows``. Wrong configurations are never chosen."""
+    times: dict[tuple, dict[tuple, list[float]]] = {}
+    wanted: dict[tuple, set[int]] = {}
+    for e in entries:
+        key = (e["kind"], e["N"], e["K"], kq.rows_bucket(e["rows"]))
+        wanted.setdefault(key, set()).add(e["rows"])
+        per_config = times.setdefault(key, {}).setdefault(tuple(e["config"]), [])
+        per_config.append(e["us"] if e["correct"] else float("nan"))
+    configs = {}
+    for key, per_config in times.items():
+        complete = {c: sum(t) for c, t in per_config.items() if len(t) == len(wanted[key]) and sum(t) == sum(t)}
+        if complete:
+            configs[key] = min(complete, key=lambda c: (complete[c], list(per_config).index(c)))
+    best = {}   # (kind, N, K, rows) -> fastest correct fused us
+    for e in entries:
+        if e["correct"]:
+            k = (e["kind"], e["N"], e["K"], e["rows"])
+            best[k] = min(best.get(k, float("inf")), e["us"])
+    gemm = {(b["kind"].split()[0], b["N"], b["K"], b["rows"]): b["us"] for b in baselines if " " in b["kind"]}
+    fused_max_rows = {}
+    for kind in sorted({k[0] for k in best}):
+        limit = 1
+        for r in sorted({k[3] for k in best if k[0] == kind}):
+            keys = [k for k in best if k[0] == kind and k[3] == r]
+            if r > 1 and (not all(k in gemm for k in keys) or sum(best[k] for k in keys) > sum(gemm[k] for k in keys)):
+                break
+            limit = r
+        fused_max_rows[kind] = limit
+    return {"fused_max_rows": fused_max_rows, "configs": dict(sorted(configs.items()))}
+
+
+def table_source(table: dict) -> str:
+    """The config module with ``table`` as its TABLE (its docstring and default kept from the tree's module)."""
+    head = Path(quant_gemv_configs.__file__).read_text().split("\nTABLE", 1)[0]
+    return f"{head}\nTABLE: dict[str, dict] = {pprint.pformat(table, width=120, sort_dicts=True)}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="qwen3.5-0.8b,qwen3.6-27b")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--budget-s", type=float, default=200.0, help="stop timing candidates after this long")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, required=True, help="JSON of every timing")
+    parser.add_argument("--write-table", type=Path, help="write the config module here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    shapes = sorted({s for p in reversed(args.presets.split(",")) for s in projection_shapes(p)},
+                    key=lambda s: -s[0] * s[1])                       # the big (27B) shapes first
+    with torch.inference_mode():
+        result = sweep(shapes, tuple(int(r) for r in args.rows.split(",")), device, torch.bfloat16, args.repeats,
+                       args.budget_s)
+    name = kq.device_name(device)
+    chosen = select(result["entries"], result["baselines"])
+    wrong = [e for e in result["entries"] if not e["correct"]]
+    result.update(device=name, torch=torch.__version__, triton=kq.triton.__version__, shapes=shapes,
+                  fused_max_rows=chosen["fused_max_rows"], wrong=wrong,
+                  chosen=[{"kind": key[0], "N": key[1], "K": key[2], "bucket": key[3], "config": list(c)}
+                          for key, c in chosen["configs"].items()])
+    args.out.write_text(json.dumps(result, indent=1))
+    if args.write_table:
+        args.write_table.write_text(table_source({**quant_gemv_configs.TABLE, name: chosen}))
+    print(f"{name}: {len(result['entries'])} timings in {result['seconds']} s, {len(wrong)} wrong, "
+          f"{len(result['untuned'])} untuned; fused_max_rows {chosen['fused_max_rows']}")
+    report(result)
+    return 0
+
+
+def report(result: dict) -> None:
+    """Per shape and row count: cuBLAS bf16, the chosen kind's fastest fused time and its GB/s."""
+    dense = {(b["N"], b["K"], b["rows"]): b["us"] for b in result["baselines"] if b["kind"] == "dense"}
+    best = {}
+    for e in result["entries"]:
+        if e["correct"]:
+            key = (e["kind"], e["N"], e["K"], e["rows"])
+            best[key] = min(best.get(key, float("inf")), e["us"])
+    for (kind, n, k, r), us in sorted(best.items()):
+        gbps = quant.weight_bytes(kind.split("-")[0], n, k, 2) / us / 1e3
+        print(f"{kind:9s} {n:>6}x{k:<6} rows {r:>2}: {us:8.1f} us ({gbps:6.0f} GB/s), "
+              f"bf16 cuBLAS {dense[n, k, r]:8.1f} us, x{dense[n, k, r] / us:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
