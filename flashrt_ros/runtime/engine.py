@@ -20,7 +20,7 @@ import torch
 from . import capsule_file as capsule_io
 from .arena import RNG_COUNTER, RNG_SEED, Arena, buffer_specs
 from .capsule_store import (DEVICE, DISK, FIXED, Block, DeltaStore, Layout, LiveRows, StoredCapsule, is_pinned,
-                            block_memory, row_parts, rows_of_full)
+                            row_parts, rows_of_full)
 from .capsules import CapsuleInfo, label_nbytes
 from .checksum import checksum
 from .config import PRESETS
@@ -435,17 +435,16 @@ class Engine:
 
     def _take_rows(self, plan: dict[str, tuple], position: int) -> dict[str, tuple]:
         """The live state as segments: a copy of the fixed state, shared rows, and copies of the rows after them."""
-        with block_memory(self.device):
-            fixed = torch.empty(self.layout.fixed_bytes, dtype=torch.uint8, device=self.device)
-            self.arena.read_live(0, fixed)
-            rows = {FIXED: ((Block(0, fixed.numel(), fixed), 0, 1),)}
-            for name, (shared, start) in plan.items():
-                spec, fresh = self.arena.specs[name], ()
-                if position > start:
-                    data = self.arena.storage[spec.offset + start * spec.row_bytes:
-                                              spec.offset + position * spec.row_bytes].clone()
-                    fresh = ((Block(start, spec.row_bytes, data), start, position),)
-                rows[name] = shared + fresh
+        fixed = torch.empty(self.layout.fixed_bytes, dtype=torch.uint8, device=self.device)
+        self.arena.read_live(0, fixed)
+        rows = {FIXED: ((Block(0, fixed.numel(), fixed), 0, 1),)}
+        for name, (shared, start) in plan.items():
+            spec, fresh = self.arena.specs[name], ()
+            if position > start:
+                data = self.arena.storage[spec.offset + start * spec.row_bytes:
+                                          spec.offset + position * spec.row_bytes].clone()
+                fresh = ((Block(start, spec.row_bytes, data), start, position),)
+            rows[name] = shared + fresh
         return rows
 
     def _write_rows(self, name: str, segments: tuple, start: int) -> None:
