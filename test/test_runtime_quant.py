@@ -462,6 +462,16 @@ def test_a_capsule_is_refused_by_an_engine_of_another_format(source, target, tmp
         assert torch.equal(b.live_bytes(), before) and b.position == 5
 
 
+def test_the_fingerprint_covers_this_devices_gemv_table(monkeypatch):
+    """A table entry for this device fixes the GEMVs' reduction orders, so a quantized engine built under another one
+    refuses the first one's capsules; a dense engine does not depend on the table."""
+    before = {fmt: tiny(weights_format=fmt).fingerprint for fmt in ("dense", "fp8")}
+    monkeypatch.setitem(kq.quant_gemv_configs.TABLE, kq.device_name(torch.device("cpu")),
+                        {"configs": {("fp8", 8, 8, 1): (16, 128, 4, 1, 1)}, "fused_max_rows": {"fp8": 4}})
+    assert tiny(weights_format="fp8").fingerprint != before["fp8"]
+    assert tiny(weights_format="dense").fingerprint == before["dense"]
+
+
 def test_fidelity_figures_order_the_formats():
     """Logits error and greedy agreement against the fp32 dense engine on the tiny model, teacher-forced along its
     greedy continuation. The dense engine agrees with itself exactly; nvfp4 errs more than fp8; keeping the Gated

@@ -26,6 +26,7 @@ from .checksum import checksum
 from .config import PRESETS
 from .errors import ErrorCode, FlashRTError
 from .graphs import GraphRunner
+from .kernels import quant_gemv
 from . import capsule_tiers
 from . import kernels as kernel_sets
 from . import platform, quant
@@ -785,4 +786,6 @@ class Engine:
                     "manifest": self.arena.manifest_json(), "dtype": str(dtype), "plan": PLAN_VERSION,
                     "kernels": self.kernel_name, "device_type": self.device.type,
                     "prefill_chunk": self.config.prefill_chunk, "weights_format": self.weights_format}
+        if self.config.weights_format != "dense":
+            identity["gemv_table"] = quant_gemv.table_digest(self.device)
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

@@ -27,6 +27,7 @@ choice would let a capsule persisted on disk continue differently after a restar
 from __future__ import annotations
 
 import functools
+import hashlib
 from typing import NamedTuple
 
 import torch
@@ -81,6 +82,15 @@ def fused_max_rows(kind: str, device: torch.device) -> int:
     """Up to this many rows QuantLinear takes the fused GEMV; beyond, dequantise + cuBLAS (from the sweep)."""
     limits = quant_gemv_configs.TABLE.get(device_name(device), {}).get("fused_max_rows", {})
     return limits.get(kind, quant_gemv_configs.DEFAULT_FUSED_MAX_ROWS)
+
+
+def table_digest(device: torch.device) -> str:
+    """What the table fixes for this device (its entry and the default threshold), for the engine's fingerprint: a
+    capsule continues token-identically only under the reduction orders it was taken with."""
+    entry = quant_gemv_configs.TABLE.get(device_name(device), {})
+    text = repr((sorted(entry.get("configs", {}).items()), sorted(entry.get("fused_max_rows", {}).items()),
+                 quant_gemv_configs.DEFAULT_FUSED_MAX_ROWS))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
