@@ -83,6 +83,17 @@ def test_a_bag_without_a_flashrt_header_is_refused(tmp_path):
         read_bag(tmp_path / "plain")
 
 
+@pytest.mark.parametrize("recorded,why", [("1", "lack the request fields"), ("2", "`tier` and `wait`"),
+                                          ("99", "the only one")])
+def test_a_bag_of_another_format_is_refused_with_the_reason(recorded, why):
+    data = HEADER.to_custom_data()
+    assert BagHeader.from_custom_data(data) == HEADER
+    data["flashrt_ros.format"] = recorded
+    with pytest.raises(BagError) as err:
+        BagHeader.from_custom_data(data)
+    assert f"bag format {recorded}" in str(err.value) and why in str(err.value)
+
+
 def test_adopting_a_bag_without_the_node_topics_is_refused(tmp_path):
     with BagWriter(tmp_path / "other_node", BagHeader(node="/elsewhere/flashrt", fingerprint="x")) as bag:
         bag.write("events", 1, event(1))

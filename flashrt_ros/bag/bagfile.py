@@ -28,8 +28,15 @@ TOPICS = {
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 _KEY = PACKAGE + "."  # prefix of our keys in custom_data
 # 2: every operation's StateEvent carries its request (observation, sampling, ids), the running request and its
-# boundary, so goals, cancels and lifecycle transitions replay. Format-1 bags (no key) cannot be read as 2.
-BAG_FORMAT = 2
+# boundary, so goals, cancels and lifecycle transitions replay. 3: StateEvent gained `tier` and `wait` (spill, fetch)
+# in the middle of the message, so a format-2 event would deserialize misaligned. Older bags are refused, with why.
+BAG_FORMAT = 3
+_OLDER_FORMATS = {
+    "1": "its StateEvents lack the request fields (observations, sampling, running request) that replay re-issues, "
+         "and its ~/generate goals, cancels and lifecycle transitions were not recorded",
+    "2": "its StateEvents were recorded before the `tier` and `wait` fields (capsule spill and fetch) and cannot be "
+         "read with this StateEvent definition",
+}
 
 
 class BagError(Exception):
@@ -62,10 +69,9 @@ class BagHeader:
                            "or give a `ros2 bag record` bag its header with `flashrt_bag adopt`")
         recorded = data.get(_KEY + "format", "1")
         if recorded != str(BAG_FORMAT):
-            raise BagError(f"bag format {recorded} (flashrt_ros before format {BAG_FORMAT}) cannot be replayed by "
-                           f"this version: its StateEvents lack the request fields (observations, sampling, running "
-                           f"request) that replay now re-issues, and its ~/generate goals, cancels and lifecycle "
-                           f"transitions were not recorded; record the session again")
+            why = _OLDER_FORMATS.get(recorded, f"format {BAG_FORMAT} is the only one this version reads")
+            raise BagError(f"bag format {recorded} (this version writes and reads format {BAG_FORMAT}) cannot be "
+                           f"replayed: {why}; record the session again")
         try:
             parameters = json.loads(data.get(_KEY + "parameters", "{}"))
         except json.JSONDecodeError as exc:
