@@ -255,6 +255,30 @@ class Gate:
         self.open_.set()
 
 
+def test_a_burst_of_evictions_waits_for_the_oldest_write_once_staging_would_pass_its_limit(tmp_path, monkeypatch):
+    """Staging copies of pending writes stay within twice the device budget: the eviction that would pass it waits
+    for the oldest write first (the gate opens only then), and every capsule still reads back byte-exact."""
+    engine = lru_engine(tmp_path, capsule_budget_bytes=room_for(1.5))
+    gate = Gate(monkeypatch, "write_capsule_file")
+    waits, real_wait = [], engine.tiers.wait
+
+    def wait(capsule_id):
+        if capsule_id in engine.tiers.pending:
+            waits.append((capsule_id, engine.tiers.pending))
+            gate.open()
+        return real_wait(capsule_id)
+
+    monkeypatch.setattr(engine.tiers, "wait", wait)
+    full = separate_capsules(engine, "abcd")          # b, c, d evict a, b, c: three staged, within 2 x 1.5
+    assert engine.tiers.pending == ("a", "b", "c") and waits == []
+    assert engine.stats()["capsule_host_bytes"] <= engine.tiers.staging_limit
+    full.update(separate_capsules(engine, "e"))      # a fourth staging copy would pass the limit
+    assert waits and waits[0] == ("a", ("a", "b", "c"))
+    assert "a" not in engine.tiers.pending and capsule_file.capsule_file_ids(tmp_path)[0] == "a"
+    for capsule_id, data in full.items():
+        assert torch.equal(engine.capsule_bytes(capsule_id), data)
+
+
 def test_an_lru_eviction_returns_before_its_file_is_written_and_the_capsule_stays_readable(tmp_path, monkeypatch):
     engine = lru_engine(tmp_path, capsule_budget_bytes=room_for(1.5))
     gate = Gate(monkeypatch, "write_capsule_file")

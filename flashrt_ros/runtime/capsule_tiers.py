@@ -137,6 +137,8 @@ class Tiers:
         if self._same_file(stored):
             self._to_disk(stored, owns_file=False)
             return
+        if stored.host is None:
+            self._bound_staging(stored.info.nbytes)
         staging = stored.host if stored.host is not None else self._host_copy(stored)
         self.store.release(stored)
         stored.host, stored.tier = staging, HOST
@@ -148,6 +150,18 @@ class Tiers:
         if error is not None:
             raise FlashRTError(ErrorCode.FILE_ERROR, f"spill of capsule {stored.info.id!r} to disk failed, it stays "
                                                      f"on the host tier: {error}")
+
+    @property
+    def staging_limit(self) -> int:
+        """Host bytes that pending writes may hold: twice the device capsule budget."""
+        return 2 * self.store.budget_bytes
+
+    def _bound_staging(self, nbytes: int) -> None:
+        """Pending writes hold their staging copies (also of capsules dropped or fetched back meanwhile): past
+        :attr:`staging_limit`, wait for the oldest first, so a burst of evictions slows down instead of growing
+        host memory without bound."""
+        while self._writes and sum(w.staging.numel() for w in self._writes.values()) + nbytes > self.staging_limit:
+            self.wait(next(iter(self._writes)))
 
     def _write(self, capsule: Capsule, path: Path, event: torch.cuda.Event | None) -> None:
         """(The writer thread.)"""
