@@ -32,7 +32,7 @@ for phase in "$@"; do
     bench-27b) bench qwen3.6-27b 2048,8192,16384 5 ;;
     quant-tune)
       timeout 270 python3 bench/tune_quant_gemv.py --out "$OUT/tune.json" --write-table "$OUT/quant_gemv_configs.py" \
-          > "$OUT/tune.log" 2>&1; rc=$?; echo "tune rc=$rc"; grep -v -i warn "$OUT/tune.log" | tail -40
+          ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1; rc=$?; echo "tune rc=$rc"; grep -v -i warn "$OUT/tune.log" | tail -40
       [ $rc -eq 0 ] && cp "$OUT/quant_gemv_configs.py" flashrt_ros/runtime/kernels/quant_gemv_configs.py
       ;;
     quant-tests)

@@ -1,7 +1,8 @@
 """Sweep the fused quantized GEMV's launch configurations on this device and write the table it then uses.
 
     python3 bench/tune_quant_gemv.py --out $OUT/tune.json --write-table $OUT/quant_gemv_configs.py
-           [--presets qwen3.5-0.8b,qwen3.6-27b] [--rows 1,8,16,24,32,64] [--budget-s 200] [--repeats 5]
+           [--presets qwen3.5-0.8b,qwen3.6-27b] [--rows 1,8,16,24,32,64] [--kinds fp8,fp8-block,nvfp4]
+           [--budget-s 200] [--repeats 5]
 
 For each weight kind (fp8 per channel, fp8 with 128-wide block scales, nvfp4), each projection shape of the presets
 (after fusion, and the LM head) and each row count, every candidate configuration is timed inside CUDA graphs
@@ -10,8 +11,10 @@ reported); beside them cuBLAS bf16 ``F.linear`` on the dense weights and the lon
 Per (kind, N, K, rows bucket) the fastest correct configuration over the bucket's row counts is chosen; per kind,
 ``fused_max_rows`` is the largest row count up to which the fused GEMV beats dequantise + cuBLAS summed over the
 shapes. The JSON has every timing; ``--write-table`` writes the module ``quant_gemv_configs.py`` with this device's
-entries merged into the table already in the tree (copy it over flashrt_ros/runtime/kernels/quant_gemv_configs.py
-and commit it). Row counts are swept in order, 1 first, and each shape's candidates only while ``--budget-s``
+entries merged into the table already in the tree: swept keys replace theirs, the others are kept, and
+``fused_max_rows`` is replaced only by a sweep of more than one row count (copy it over
+flashrt_ros/runtime/kernels/quant_gemv_configs.py and commit it).
+Row counts are swept in order, 1 first, and each shape's candidates only while ``--budget-s``
 lasts; what it leaves untimed keeps the default configuration (listed under ``untuned``).
 """
 from __future__ import annotations
@@ -54,7 +57,7 @@ def candidates(kind: str, bucket: int) -> list[kq.GemvConfig]:
     """The configurations swept (splits resolved per shape by :func:`split_choices`)."""
     if bucket == 1:
         return [kq.GemvConfig(bn, bk, w, s) for bn in (16, 32, 64) for bk in (256, 512) for w in (4, 8)
-                for s in (1, 3)]
+                for s in (1, 3)] + [kq.GemvConfig(bn, 1024, 8, 1) for bn in (16, 32)]
     return [kq.GemvConfig(bn, bk, w, 3) for bn in (32, 64) for bk in (128, 256) for w in (4, 8)]
 
 
@@ -164,6 +167,16 @@ def select(entries: list[dict], baselines: list[dict]) -> dict:
     return {"fused_max_rows": fused_max_rows, "configs": dict(sorted(configs.items()))}
 
 
+def merged_entry(existing: dict, chosen: dict, rows: tuple[int, ...]) -> dict:
+    """This device's table entry after a sweep: the swept keys' configurations over the existing ones; the fused
+    threshold from the sweep only when it compared row counts (a decode-only sweep keeps the existing one)."""
+    configs = {**existing.get("configs", {}), **chosen["configs"]}
+    limits = dict(existing.get("fused_max_rows", {}))
+    if len(rows) > 1:
+        limits.update(chosen["fused_max_rows"])
+    return {"configs": dict(sorted(configs.items())), "fused_max_rows": limits}
+
+
 def table_source(table: dict) -> str:
     """The config module with ``table`` as its TABLE (its docstring and default kept from the tree's module)."""
     head = Path(quant_gemv_configs.__file__).read_text().split("\nTABLE", 1)[0]
@@ -174,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", default="qwen3.5-0.8b,qwen3.6-27b")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--kinds", default=",".join(kq.WEIGHT_KINDS), help="weight kinds to sweep")
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop timing candidates after this long")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")
@@ -183,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     shapes = sorted({s for p in reversed(args.presets.split(",")) for s in projection_shapes(p)},
                     key=lambda s: -s[0] * s[1])                       # the big (27B) shapes first
+    rows = tuple(int(r) for r in args.rows.split(","))
     with torch.inference_mode():
-        result = sweep(shapes, tuple(int(r) for r in args.rows.split(",")), device, torch.bfloat16, args.repeats,
-                       args.budget_s)
+        result = sweep(shapes, rows, device, torch.bfloat16, args.repeats, args.budget_s,
+                       kinds=tuple(args.kinds.split(",")))
     name = kq.device_name(device)
     chosen = select(result["entries"], result["baselines"])
     wrong = [e for e in result["entries"] if not e["correct"]]
@@ -195,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                           for key, c in chosen["configs"].items()])
     args.out.write_text(json.dumps(result, indent=1))
     if args.write_table:
-        args.write_table.write_text(table_source({**quant_gemv_configs.TABLE, name: chosen}))
+        entry = merged_entry(quant_gemv_configs.TABLE.get(name, {}), chosen, rows)
+        args.write_table.write_text(table_source({**quant_gemv_configs.TABLE, name: entry}))
     print(f"{name}: {len(result['entries'])} timings in {result['seconds']} s, {len(wrong)} wrong, "
           f"{len(result['untuned'])} untuned; fused_max_rows {chosen['fused_max_rows']}")
     report(result)

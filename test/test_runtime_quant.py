@@ -431,6 +431,8 @@ def test_a_block_scaled_fp8_checkpoint_dequantises_blockwise():
      "needs uint8 weight_packed"),
     ({"weight": torch.zeros(4, 16, dtype=torch.float8_e4m3fn), "weight_scale": torch.ones(3, 5)},
      "unsupported fp8 weight_scale shape"),
+    ({"weight": torch.zeros(16, 32, dtype=torch.float8_e4m3fn), "weight_scale": torch.ones(2, 4)},
+     "multiple of 16 columns"),
     ({"weight": torch.zeros(4, 16, dtype=torch.float8_e4m3fn), "weight_scale": torch.ones(4, 1),
       "weight_zero_point": torch.ones(4, 1)}, "asymmetric"),
 ])
@@ -590,6 +592,20 @@ def test_the_sweep_selection_picks_the_fastest_correct_config_per_bucket_and_the
                                  ("nvfp4", 64, 512, 32): tuple(a)}
     # fused beats dequantise + GEMM at rows 1, 8 (1.0 < 5.0), 16, 24, but not at 32
     assert chosen["fused_max_rows"] == {"nvfp4": 24}
+
+
+def test_a_decode_only_sweep_replaces_its_keys_and_keeps_the_rest_of_the_entry():
+    old, new = (16, 256, 4, 1, 1), (32, 512, 4, 1, 1)
+    existing = {"configs": {("nvfp4", 64, 512, 1): old, ("nvfp4", 64, 512, 16): old, ("fp8-block", 64, 512, 1): old},
+                "fused_max_rows": {"nvfp4": 8, "fp8-block": 8}}
+    chosen = {"configs": {("nvfp4", 64, 512, 1): new, ("fp8", 64, 512, 1): new}, "fused_max_rows": {"nvfp4": 1}}
+    merged = tune.merged_entry(existing, chosen, rows=(1,))
+    assert merged["configs"] == {("fp8", 64, 512, 1): new, ("fp8-block", 64, 512, 1): old,
+                                 ("nvfp4", 64, 512, 1): new, ("nvfp4", 64, 512, 16): old}
+    assert merged["fused_max_rows"] == {"nvfp4": 8, "fp8-block": 8}            # one row count compares nothing
+    assert tune.merged_entry(existing, chosen, rows=(1, 8))["fused_max_rows"] == {"nvfp4": 1, "fp8-block": 8}
+    assert tune.merged_entry({}, chosen, rows=(1,)) == {"configs": dict(sorted(chosen["configs"].items())),
+                                                        "fused_max_rows": {}}
 
 
 @needs_triton

@@ -179,6 +179,8 @@ def _fp8_scale_per_row(scale: torch.Tensor, n: int, k: int, bad) -> torch.Tensor
         return scale.reshape(n, 1).contiguous()
     if scale.dim() == 2 and k % scale.shape[1] == 0:
         block = k // scale.shape[1]                      # square blocks (compressed-tensors' block_structure)
+        if block % kq.RUN:
+            raise bad(f"fp8 block scales must span a multiple of {kq.RUN} columns, got blocks of {block}")
         if -(-n // block) == scale.shape[0]:
             return scale.repeat_interleave(block, dim=0)[:n].contiguous()
     raise bad(f"unsupported fp8 weight_scale shape {tuple(scale.shape)} for a weight of {(n, k)}")

@@ -11,11 +11,13 @@
 
 ``*_reference``: dequantise in PyTorch, then ``F.linear`` (the CPU path and the oracle).
 ``*_triton``: one fused kernel that streams the quantized bytes, dequantises in registers and multiplies, for up to
-:data:`GEMV_MAX_ROWS` rows of ``x``: the weights are never expanded in memory. One row (decode) sums ``x * value``
-within each scale group first and applies the group's scale once; several rows use ``tl.dot``, and each block of up
-to 64 rows re-reads the weights, so :class:`~..quant.QuantLinear` sends only pieces of up to
-:func:`fused_max_rows` rows here; longer pieces are compute-bound: :func:`dequantize_triton` writes the weights in
-``x``'s dtype in one pass and cuBLAS multiplies.
+:data:`GEMV_MAX_ROWS` rows of ``x``: the weights are never expanded in memory. Decode (one row) is bound by
+instruction issue, not by bytes, so its steps are written for few instructions per weight (counted in sm_90 SASS):
+nvfp4 codes are read as 32-bit words and decoded two at a time (:func:`_e2m1_lanes_over_2_14`), fp8 bytes are loaded
+as uint8 (no masking selects), and runs of 16 products are summed in registers before their scale is applied.
+Several rows use ``tl.dot``, and each block of up to 64 rows re-reads the weights, so
+:class:`~..quant.QuantLinear` sends only pieces of up to :func:`fused_max_rows` rows here; longer pieces are
+compute-bound: :func:`dequantize_triton` writes the weights in ``x``'s dtype in one pass and cuBLAS multiplies.
 
 Launch configurations (tile sizes, warps, pipeline stages, split-K count) come from the fixed table in
 :mod:`.quant_gemv_configs`, keyed by device name, weight kind, ``N``, ``K`` and rows bucket, written by
@@ -38,6 +40,7 @@ from ._triton import INTERPRETED, jit, tl, triton
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitudes of codes 0-7; bit 3 is the sign
 NVFP4_GROUP = 16
+RUN = 16                            # decode sums runs of this many products before scaling; groups are multiples
 GEMV_MAX_ROWS = 256                 # the most rows the fused kernel takes (QuantLinear sends fewer: fused_max_rows)
 ROW_BUCKETS = (1, 16, 32, 64)       # rows per program (BLOCK_L); the table's rows key; more rows: more programs
 WEIGHT_KINDS = ("fp8", "fp8-block", "nvfp4")   # the table's weight key: fp8 per channel, fp8 block-scaled, nvfp4
@@ -63,8 +66,9 @@ def weight_kind(nvfp4: bool, group: int, k: int) -> str:
 
 
 def default_config(kind: str, n: int, k: int, bucket: int) -> GemvConfig:
-    """The heuristic for shapes and devices the table does not list."""
-    return GemvConfig(32, 512 if kind == "nvfp4" and bucket == 1 else 256, 4, 3)
+    """The heuristic for shapes and devices the table does not list (decode: the tile with the fewest instructions
+    per weight in sm_90's SASS for both formats)."""
+    return GemvConfig(32, 512, 4, 1) if bucket == 1 else GemvConfig(32, 256, 4, 3)
 
 
 def device_name(device: torch.device) -> str:
@@ -130,6 +134,24 @@ def _e2m1_over_2_14(code):
 
 
 @jit
+def _e2m1_lanes_over_2_14(words, SHIFT: tl.constexpr):
+    """Nibbles i and i + 4 (SHIFT = 12 - 4i) of each uint32 word of eight E2M1 codes -> two fp32 tensors of their
+    values / 2^14. The same bit placement as :func:`_e2m1_over_2_14`, done on both 16-bit halves of the word at once:
+    nibble i's sign goes to bit 15 and its magnitude bits to 9-11, nibble i + 4's to bits 31 and 25-27; each half is
+    then an fp16, widened exactly. Two shifts and two logic operations make two values, where decoding one code at a
+    time costs six integer operations per value (the decode loop is bound by instruction issue, not by bytes)."""
+    sign = (words << SHIFT) & 0x80008000
+    if SHIFT >= 3:
+        magnitude = (words << (SHIFT - 3)) & 0x0E000E00
+    else:
+        magnitude = (words >> (3 - SHIFT)) & 0x0E000E00
+    lanes = sign | magnitude
+    low = lanes.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (lanes >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@jit
 def _widen(scale, BLOCK_N: tl.constexpr, COLS: tl.constexpr, GROUP_COLS: tl.constexpr):
     """[BLOCK_N, COLS / GROUP_COLS] scales -> [BLOCK_N, COLS], each repeated over its group, in registers (a
     per-value gather would issue as many loads as the weights themselves)."""
@@ -151,72 +173,128 @@ def _dot(acc, x, w, IEEE: tl.constexpr):
 
 
 @jit
-def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, k_split,
-                       NVFP4: tl.constexpr, GROUP: tl.constexpr, GROUP_COLS: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                       GROUPED: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+def _fp8_as_f32(raw):
+    """float8_e4m3fn bytes loaded as uint8 (masked lanes read as 0, where an fp8 load would leave them undefined)."""
+    return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@jit
+def _x_pair(x_ptr, word, word_ok, I: tl.constexpr, X_BF16: tl.constexpr):
+    """x[8j + I] and x[8j + I + 4] as fp32 for each word j (the k of nibbles I and I + 4). bf16 x is read as 32-bit
+    pairs: k = 8j + I and 8j + I + 4 are the same half of pairs 4j + I // 2 and 4j + I // 2 + 2, and widening a bf16
+    half to fp32 is one shift or mask."""
+    if X_BF16:
+        first = tl.load(x_ptr + 4 * word + I // 2, mask=word_ok, other=0).to(tl.uint32, bitcast=True)
+        second = tl.load(x_ptr + 4 * word + I // 2 + 2, mask=word_ok, other=0).to(tl.uint32, bitcast=True)
+        if I % 2 == 0:
+            first, second = first << 16, second << 16
+        else:
+            first, second = first & 0xFFFF0000, second & 0xFFFF0000
+        low, high = first.to(tl.float32, bitcast=True), second.to(tl.float32, bitcast=True)
+    else:
+        low = tl.load(x_ptr + 8 * word + I, mask=word_ok, other=0).to(tl.float32)
+        high = tl.load(x_ptr + 8 * word + I + 4, mask=word_ok, other=0).to(tl.float32)
+    return low, high
+
+
+@jit
+def _nvfp4_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s,
+                    X_BF16: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Decode's nvfp4 step: acc[BLOCK_N, BLOCK_K / 16] += the scaled sums of each 16-value group, read as 32-bit
+    words of eight codes (word j holds k = 8j .. 8j + 7, nibble i = k - 8j; two words per group)."""
+    word = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)     # k0: a multiple of BLOCK_K
+    group = tl.multiple_of(k0 // 16, BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    word_ok = (word < K // 8) | EVEN_K
+    words = tl.load(q_ptr + wide_rows[:, None] * stride_q + word[None, :], mask=row_ok[:, None] & word_ok[None, :],
+                    other=0).to(tl.uint32, bitcast=True)
+    s_mask = row_ok[:, None] & ((group < K // 16) | EVEN_K)[None, :]
+    scale = _fp8_as_f32(tl.load(s_ptr + wide_rows[:, None] * stride_s + group[None, :], mask=s_mask, other=0))
+    products = tl.zeros(words.shape, dtype=tl.float32)
+    for i in tl.static_range(4):
+        low, high = _e2m1_lanes_over_2_14(words, 12 - 4 * i)
+        x_low, x_high = _x_pair(x_ptr, word, word_ok, i, X_BF16)
+        products += low * x_low[None, :]
+        products += high * x_high[None, :]
+    return acc + tl.sum(tl.reshape(products, (products.shape[0], BLOCK_K // 16, 2)), axis=2) * (scale * 16384.0)
+
+
+@jit
+def _fp8_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s, GROUP: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Decode's fp8 step: acc[BLOCK_N, BLOCK_K / 16] += the sums of each run of 16 products (one thread's 16-byte
+    load, summed in registers), times the run's block scale (GROUP is a multiple of 16; per-channel scales apply
+    after the loop)."""
+    k = tl.multiple_of(k0, BLOCK_K) + tl.arange(0, BLOCK_K)
+    k_ok = (k < K) | EVEN_K
+    w = _fp8_as_f32(tl.load(q_ptr + wide_rows[:, None] * stride_q + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                            other=0))
+    products = w * tl.load(x_ptr + k, mask=k_ok, other=0).to(tl.float32)[None, :]
+    runs = tl.sum(tl.reshape(products, (products.shape[0], BLOCK_K // 16, 16)), axis=2)
+    if not PER_CHANNEL:
+        run = tl.multiple_of(k0 // 16, BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        s_mask = row_ok[:, None] & ((run < K // 16) | EVEN_K)[None, :]
+        runs = runs * tl.load(s_ptr + wide_rows[:, None] * stride_s + (run * 16 // GROUP)[None, :], mask=s_mask,
+                              other=0)
+    return acc + runs
+
+
+@jit
+def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, stride_q, stride_s, k_split,
+                       X_BF16: tl.constexpr, EVEN_K: tl.constexpr, NVFP4: tl.constexpr, GROUP: tl.constexpr,
+                       PER_CHANNEL: tl.constexpr, GROUPED: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr,
+                       BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_L, BLOCK_N] output tile over one K slice: out[split, l, n]. Program axes: row block of W, split-K
     index, block of x's rows (each block re-reads its weights).
 
-    BLOCK_K values per step; GROUP_COLS stored columns (bytes) per scale group. GROUPED: a tile holds whole scale groups (nvfp4 always; fp8 when its group divides
-    BLOCK_K), whose [BLOCK_N, BLOCK_K / GROUP] scales load once per tile. ONE_ROW (decode): x loads contiguously
-    once per tile (nvfp4 splits it into even and odd k in registers); grouped, each group's x * value products are
-    summed and scaled once into a [BLOCK_N, BLOCK_K / GROUP] accumulator, otherwise accumulated elementwise into
-    [BLOCK_N, BLOCK_K]; either is summed once after the loop. Several rows: x's rows are padded to BLOCK_L >= 16,
-    the tile is dequantised (nvfp4's nibbles interleaved back into k order) and goes through tl.dot."""
+    BLOCK_K values per step. fp8 bytes (weights, and nvfp4's
+    scales) arrive as uint8. ONE_ROW (decode) with nvfp4: ``q_ptr`` is the weights as int32 words,
+    :func:`_nvfp4_row_step`. ONE_ROW with fp8: x loads contiguously once per tile; GROUPED (the tile holds whole
+    scale groups: fp8 when its group divides BLOCK_K), each group's x * value products are summed and scaled once
+    into a [BLOCK_N, BLOCK_K / GROUP] accumulator, otherwise accumulated elementwise into [BLOCK_N, BLOCK_K]; either
+    is summed once after the loop. Several rows: x's rows are padded to BLOCK_L >= 16, the tile is dequantised
+    (nvfp4's nibbles interleaved back into k order) and goes through tl.dot."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     row_ok = rows < N
     token_ok = tokens < L
     wide_rows = rows.to(tl.int64)
-    if not ONE_ROW:
-        acc = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
-    elif GROUPED:
-        acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+    if ONE_ROW:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)   # one sum per RUN
     else:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # fp8 loads take no `other`: their masked lanes are undefined (maybe NaN) until zeroed with tl.where.
+        acc = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
     k_begin = tl.program_id(1) * k_split
-    for k0 in range(k_begin, k_begin + k_split, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        if GROUPED:
-            group = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            s_mask = row_ok[:, None] & (group < K // GROUP)[None, :]
-            scale = tl.load(s_ptr + wide_rows[:, None] * (K // GROUP) + group[None, :], mask=s_mask)
-            scale = tl.where(s_mask, scale.to(tl.float32), 0.0)
-            if NVFP4:
-                scale = scale * 16384.0
-        if NVFP4:
-            byte_index = k0 // 2 + tl.arange(0, BLOCK_K // 2)         # byte j holds k = 2j (low) and 2j + 1 (high)
-            w_mask = row_ok[:, None] & (byte_index < K // 2)[None, :]
-            packed = tl.load(q_ptr + wide_rows[:, None] * (K // 2) + byte_index[None, :], mask=w_mask, other=0)
-            packed = packed.to(tl.int32)
-            low, high = _e2m1_over_2_14(packed & 15), _e2m1_over_2_14(packed >> 4)
+    for k0 in range(k_begin, tl.minimum(k_begin + k_split, K), BLOCK_K):
+        if ONE_ROW and NVFP4:
+            acc = _nvfp4_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s, X_BF16,
+                                  EVEN_K, BLOCK_K)
+        elif ONE_ROW:
+            acc = _fp8_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s, GROUP,
+                                PER_CHANNEL, EVEN_K, BLOCK_K)
         else:
-            w_mask = row_ok[:, None] & (k < K)[None, :]
-            w = tl.where(w_mask, tl.load(q_ptr + wide_rows[:, None] * K + k[None, :], mask=w_mask).to(tl.float32),
-                         0.0)
-            if not PER_CHANNEL and not GROUPED:                       # per-channel scales apply after the loop
-                w = w * tl.load(s_ptr + wide_rows[:, None] * (K // GROUP) + (k // GROUP)[None, :], mask=w_mask,
-                                other=0)
-        if ONE_ROW:
-            xk = tl.load(x_ptr + tokens * stride_x + k, mask=k < K, other=0).to(tl.float32)
-            if NVFP4:
-                x_even, x_odd = tl.split(tl.reshape(xk, (BLOCK_K // 2, 2)))
-                products = low * x_even[None, :] + high * x_odd[None, :]
-            else:
-                products = w * xk[None, :]
+            k = k0 + tl.arange(0, BLOCK_K)
             if GROUPED:
-                acc = acc + tl.sum(tl.reshape(products, (BLOCK_N, BLOCK_K // GROUP, GROUP_COLS)), axis=2) * scale
-            else:
-                acc = acc + products
-        else:
+                group = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                s_mask = row_ok[:, None] & (group < K // GROUP)[None, :]
+                scale = tl.load(s_ptr + wide_rows[:, None] * stride_s + group[None, :], mask=s_mask, other=0)
+                if NVFP4:
+                    scale = _fp8_as_f32(scale) * 16384.0
             if NVFP4:
-                w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+                byte_index = k0 // 2 + tl.arange(0, BLOCK_K // 2)     # byte j holds k = 2j (low) and 2j + 1 (high)
+                w_mask = row_ok[:, None] & (byte_index < K // 2)[None, :]
+                packed = tl.load(q_ptr + wide_rows[:, None] * stride_q + byte_index[None, :], mask=w_mask, other=0)
+                packed = packed.to(tl.int32)
+                w = tl.reshape(tl.join(_e2m1_over_2_14(packed & 15), _e2m1_over_2_14(packed >> 4)),
+                               (BLOCK_N, BLOCK_K))
+            else:
+                w_mask = row_ok[:, None] & (k < K)[None, :]
+                w = _fp8_as_f32(tl.load(q_ptr + wide_rows[:, None] * stride_q + k[None, :], mask=w_mask, other=0))
+                if not PER_CHANNEL and not GROUPED:                   # per-channel scales apply after the loop
+                    w = w * tl.load(s_ptr + wide_rows[:, None] * stride_s + (k // GROUP)[None, :],
+                                    mask=w_mask, other=0)
             if GROUPED:
                 w = w * _widen(scale, BLOCK_N, BLOCK_K, GROUP)
-            xk = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=token_ok[:, None] & (k < K)[None, :],
-                         other=0)
+            xk = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :],
+                         mask=token_ok[:, None] & (k < K)[None, :], other=0)
             acc = _dot(acc, xk, w, IEEE)
     if ONE_ROW:
         result = tl.sum(acc, axis=1)[None, :]
@@ -248,24 +326,34 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
     rows = x.shape[0]
     if not 0 < rows <= GEMV_MAX_ROWS:
         raise ValueError(f"the fused GEMV takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
-    x = x.contiguous()
+    x, dtype = x.contiguous(), x.dtype
     nvfp4 = row_scale is not None
     kind = weight_kind(nvfp4, group, k)
     config = config or gemv_config(kind, n, k, rows, x.device)
     block_l, block_k = rows_bucket(rows), config.block_k
-    if nvfp4 and block_k % NVFP4_GROUP:
-        raise ValueError(f"nvfp4 tiles hold whole {NVFP4_GROUP}-value groups, got block_k {block_k}")
+    if block_k % RUN:
+        raise ValueError(f"tiles hold whole {RUN}-value runs, got block_k {block_k}")
+    if group % RUN:
+        raise ValueError(f"scale groups span a multiple of {RUN} values, got {group}")
     n_blocks, k_blocks, l_blocks = triton.cdiv(n, config.block_n), triton.cdiv(k, block_k), triton.cdiv(rows, block_l)
     splits = _splits(x.device, n_blocks * l_blocks, k_blocks, config.splits)
     k_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(k, k_split)
-    out = torch.empty((splits, rows, n), device=x.device, dtype=x.dtype if splits == 1 else torch.float32)
+    out = torch.empty((splits, rows, n), device=x.device, dtype=dtype if splits == 1 else torch.float32)
+    x_bf16 = dtype == torch.bfloat16
+    if nvfp4:   # decode reads the packed codes as 32-bit words (K is a multiple of 16), fp8 scales as bytes
+        q, scale = (q.view(torch.int32) if rows == 1 else q), scale.view(torch.uint8)
+        if rows == 1 and x_bf16:
+            x = x.view(torch.int32)                                   # bf16 pairs (see _x_pair)
+    else:
+        q = q.view(torch.uint8)
     _quant_gemv_kernel[(n_blocks, splits, l_blocks)](
-        x, q, scale, row_scale if nvfp4 else scale, out, rows, n, k, x.stride(0), k_split,
-        NVFP4=nvfp4, GROUP=group, GROUP_COLS=group // 2 if nvfp4 else group, PER_CHANNEL=kind == "fp8", GROUPED=kind != "fp8" and block_k % group == 0,
-        IEEE=x.dtype == torch.float32 or INTERPRETED, ONE_ROW=rows == 1, BLOCK_L=block_l, BLOCK_N=config.block_n,
-        BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
-    return out[0] if splits == 1 else out.sum(0).to(x.dtype)   # fixed-order reduction: deterministic
+        x, q, scale, row_scale if nvfp4 else scale, out, rows, n, k, x.stride(0), q.stride(0), scale.stride(0),
+        k_split, X_BF16=x_bf16, EVEN_K=k % block_k == 0, NVFP4=nvfp4, GROUP=group, PER_CHANNEL=kind == "fp8",
+        GROUPED=kind != "fp8" and block_k % group == 0, IEEE=dtype == torch.float32 or INTERPRETED,
+        ONE_ROW=rows == 1, BLOCK_L=block_l, BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    return out[0] if splits == 1 else out.sum(0).to(dtype)   # fixed-order reduction: deterministic
 
 
 def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -290,17 +378,19 @@ def _dequant_kernel(q_ptr, s_ptr, r_ptr, out_ptr, N, K, NVFP4: tl.constexpr, GRO
     if NVFP4:
         mask = (rows < N)[:, None] & (cols < K // 2)[None, :]
         packed = tl.load(q_ptr + wide_rows[:, None] * (K // 2) + cols[None, :], mask=mask, other=0).to(tl.int32)
-        scale = tl.load(s_ptr + wide_rows[:, None] * (K // 16) + (cols // 8)[None, :], mask=mask)
-        scale = tl.where(mask, scale.to(tl.float32) * 16384.0, 0.0)
+        scale = _fp8_as_f32(tl.load(s_ptr + wide_rows[:, None] * (K // 16) + (cols // 8)[None, :], mask=mask,
+                                    other=0)) * 16384.0
         row_scale = tl.load(r_ptr + rows, mask=rows < N, other=0)[:, None]
-        out = out_ptr + wide_rows[:, None] * K + 2 * cols[None, :]
-        ty = out_ptr.dtype.element_ty
         # (e2m1 * block scale) is exact; then the row scale: the reference's order, so fp32 results are bit-equal.
-        tl.store(out, (_e2m1_over_2_14(packed & 15) * scale * row_scale).to(ty), mask=mask)
-        tl.store(out + 1, (_e2m1_over_2_14(packed >> 4) * scale * row_scale).to(ty), mask=mask)
+        low = _e2m1_over_2_14(packed & 15) * scale * row_scale
+        high = _e2m1_over_2_14(packed >> 4) * scale * row_scale
+        values = tl.reshape(tl.join(low, high), (BLOCK_N, 2 * TILE_K))           # back in k order: one store
+        k = 2 * tl.program_id(1) * TILE_K + tl.arange(0, 2 * TILE_K)
+        tl.store(out_ptr + wide_rows[:, None] * K + k[None, :], values.to(out_ptr.dtype.element_ty),
+                 mask=(rows < N)[:, None] & (k < K)[None, :])
     else:
         mask = (rows < N)[:, None] & (cols < K)[None, :]
-        w = tl.where(mask, tl.load(q_ptr + wide_rows[:, None] * K + cols[None, :], mask=mask).to(tl.float32), 0.0)
+        w = _fp8_as_f32(tl.load(q_ptr + wide_rows[:, None] * K + cols[None, :], mask=mask, other=0))
         w = w * tl.load(s_ptr + wide_rows[:, None] * (K // GROUP) + (cols // GROUP)[None, :], mask=mask, other=0)
         tl.store(out_ptr + wide_rows[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -312,7 +402,8 @@ def dequantize_triton(q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Ten
     n, k = q.shape[0], q.shape[1] * (2 if nvfp4 else 1)
     out = torch.empty((n, k), device=q.device, dtype=dtype)
     tile_k = _DEQUANT_BLOCK_K // 2 if nvfp4 else _DEQUANT_BLOCK_K
+    codes, scale_bytes = q.view(torch.uint8), (scale.view(torch.uint8) if nvfp4 else scale)   # fp8 as bytes
     _dequant_kernel[(triton.cdiv(n, _DEQUANT_BLOCK_N), triton.cdiv(q.shape[1], tile_k))](
-        q, scale, row_scale if nvfp4 else scale, out, n, k, NVFP4=nvfp4,
+        codes, scale_bytes, row_scale if nvfp4 else scale, out, n, k, NVFP4=nvfp4,
         GROUP=NVFP4_GROUP if nvfp4 else k // scale.shape[1], BLOCK_N=_DEQUANT_BLOCK_N, TILE_K=tile_k, num_warps=4)
     return out
