@@ -91,19 +91,26 @@ def projection_shapes(model: Qwen35) -> list[tuple[str, int, int]]:
 
 
 def gemv_table(model: Qwen35, device: torch.device, dtype: torch.dtype, use_triton: bool, repeats: int) -> list:
-    """Each projection shape at one row (decode): dense ``F.linear`` against the fp8 and nvfp4 GEMVs."""
+    """Each projection shape at one row (decode): dense ``F.linear`` against the fp8 and nvfp4 GEMVs, in time and in
+    error: ``*_rel_err`` is one layer's relative L2 error against the fp32 product of the same Gaussian weights and
+    input, the quantisation error itself (the end-to-end figures of random weights compound it through every layer)."""
     rows = []
     generator = torch.Generator(device=device).manual_seed(0)
     for name, n, k in projection_shapes(model):
         w = torch.randn(n, k, device=device, dtype=dtype, generator=generator) / k ** 0.5
         x = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
-        row = {"shape": name, "N": n, "K": k,
-               "dense_us": _time_calls_us(device, lambda: F.linear(x, w), repeats)}
+        exact = F.linear(x.float(), w.float())
+
+        def rel_err(y: torch.Tensor) -> float:
+            return float((y.float() - exact).norm() / exact.norm())
+        row = {"shape": name, "N": n, "K": k, "dense_us": _time_calls_us(device, lambda: F.linear(x, w), repeats),
+               "dense_rel_err": rel_err(F.linear(x, w))}
         for fmt in ("fp8", "nvfp4"):
             layer = quant.QuantLinear(quant.QUANTIZERS[fmt](w), use_triton)
             row[f"{fmt}_us"] = _time_calls_us(device, lambda: layer(x), repeats)
             row[f"{fmt}_speedup"] = row["dense_us"] / row[f"{fmt}_us"]
             row[f"{fmt}_GBps"] = quant.weight_bytes(fmt, n, k, 0) / row[f"{fmt}_us"] / 1000.0
+            row[f"{fmt}_rel_err"] = rel_err(layer(x))
         row["dense_GBps"] = n * k * w.element_size() / row["dense_us"] / 1000.0
         rows.append(row)
         del w
@@ -233,7 +240,8 @@ def markdown(result: dict) -> str:
     gemv = _table(result["gemv"], [
         ("shape", "{}"), ("N", "{}"), ("K", "{}"), ("dense_us", "{:.2f}"), ("fp8_us", "{:.2f}"),
         ("nvfp4_us", "{:.2f}"), ("fp8_speedup", "{:.2f}x"), ("nvfp4_speedup", "{:.2f}x"), ("dense_GBps", "{:.0f}"),
-        ("fp8_GBps", "{:.0f}"), ("nvfp4_GBps", "{:.0f}")])
+        ("fp8_GBps", "{:.0f}"), ("nvfp4_GBps", "{:.0f}"), ("dense_rel_err", "{:.4f}"), ("fp8_rel_err", "{:.4f}"),
+        ("nvfp4_rel_err", "{:.4f}")])
     thor = _table(result["thor_projection"], [
         ("preset", "{}"), ("format", "{}"), ("bytes_per_token", "{:,}"), ("projected_floor_ms", "{:.1f}"),
         ("projected_max_tokens_per_s", "{:.0f}")])

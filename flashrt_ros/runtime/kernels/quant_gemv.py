@@ -134,7 +134,7 @@ def _e2m1_over_2_14(code):
 
 
 @jit
-def _e2m1_lanes_over_2_14(words, SHIFT: tl.constexpr):
+def _e2m1_lanes_over_2_14(words, SHIFT: tl.constexpr, ASM: tl.constexpr):
     """Nibbles i and i + 4 (SHIFT = 12 - 4i) of each uint32 word of eight E2M1 codes -> two fp32 tensors of their
     values / 2^14. The same bit placement as :func:`_e2m1_over_2_14`, done on both 16-bit halves of the word at once:
     nibble i's sign goes to bit 15 and its magnitude bits to 9-11, nibble i + 4's to bits 31 and 25-27; each half is
@@ -145,9 +145,22 @@ def _e2m1_lanes_over_2_14(words, SHIFT: tl.constexpr):
         magnitude = (words << (SHIFT - 3)) & 0x0E000E00
     else:
         magnitude = (words >> (3 - SHIFT)) & 0x0E000E00
-    lanes = sign | magnitude
-    low = lanes.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    high = (lanes >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _f16_halves_to_f32(sign | magnitude, ASM)
+
+
+@jit
+def _f16_halves_to_f32(lanes, ASM: tl.constexpr):
+    """The two fp16 halves of each uint32 as two fp32 tensors. On the GPU one ``cvt`` per half, read straight from
+    the 32-bit register: as Triton fp16 tensors, the halves of neighbouring elements would first be repacked in
+    pairs (a PRMT per two values). ASM is off in the interpreter, which runs no PTX: there the same widening in
+    Triton ops."""
+    if ASM:
+        low, high = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+            "=r,=r,r", [lanes], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        low = lanes.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = (lanes >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return low, high
 
 
@@ -199,7 +212,7 @@ def _x_pair(x_ptr, word, word_ok, I: tl.constexpr, X_BF16: tl.constexpr):
 
 @jit
 def _nvfp4_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s,
-                    X_BF16: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+                    X_BF16: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr):
     """Decode's nvfp4 step: acc[BLOCK_N, BLOCK_K / 16] += the scaled sums of each 16-value group, read as 32-bit
     words of eight codes (word j holds k = 8j .. 8j + 7, nibble i = k - 8j; two words per group)."""
     word = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)     # k0: a multiple of BLOCK_K
@@ -211,7 +224,7 @@ def _nvfp4_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q
     scale = _fp8_as_f32(tl.load(s_ptr + wide_rows[:, None] * stride_s + group[None, :], mask=s_mask, other=0))
     products = tl.zeros(words.shape, dtype=tl.float32)
     for i in tl.static_range(4):
-        low, high = _e2m1_lanes_over_2_14(words, 12 - 4 * i)
+        low, high = _e2m1_lanes_over_2_14(words, 12 - 4 * i, ASM)
         x_low, x_high = _x_pair(x_ptr, word, word_ok, i, X_BF16)
         products += low * x_low[None, :]
         products += high * x_high[None, :]
@@ -241,8 +254,8 @@ def _fp8_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, 
 @jit
 def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, stride_q, stride_s, k_split,
                        X_BF16: tl.constexpr, EVEN_K: tl.constexpr, NVFP4: tl.constexpr, GROUP: tl.constexpr,
-                       PER_CHANNEL: tl.constexpr, GROUPED: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr,
-                       BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       PER_CHANNEL: tl.constexpr, GROUPED: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr,
+                       ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_L, BLOCK_N] output tile over one K slice: out[split, l, n]. Program axes: row block of W, split-K
     index, block of x's rows (each block re-reads its weights).
 
@@ -266,7 +279,7 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, s
     for k0 in range(k_begin, tl.minimum(k_begin + k_split, K), BLOCK_K):
         if ONE_ROW and NVFP4:
             acc = _nvfp4_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s, X_BF16,
-                                  EVEN_K, BLOCK_K)
+                                  EVEN_K, ASM, BLOCK_K)
         elif ONE_ROW:
             acc = _fp8_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s, GROUP,
                                 PER_CHANNEL, EVEN_K, BLOCK_K)
@@ -351,7 +364,7 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
         x, q, scale, row_scale if nvfp4 else scale, out, rows, n, k, x.stride(0), q.stride(0), scale.stride(0),
         k_split, X_BF16=x_bf16, EVEN_K=k % block_k == 0, NVFP4=nvfp4, GROUP=group, PER_CHANNEL=kind == "fp8",
         GROUPED=kind != "fp8" and block_k % group == 0, IEEE=dtype == torch.float32 or INTERPRETED,
-        ONE_ROW=rows == 1, BLOCK_L=block_l, BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps,
+        ASM=not INTERPRETED, ONE_ROW=rows == 1, BLOCK_L=block_l, BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return out[0] if splits == 1 else out.sum(0).to(dtype)   # fixed-order reduction: deterministic
 
