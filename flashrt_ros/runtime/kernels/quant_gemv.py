@@ -211,15 +211,23 @@ def _x_pair(x_ptr, word, word_ok, I: tl.constexpr, X_BF16: tl.constexpr):
 
 
 @jit
-def _nvfp4_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s,
-                    X_BF16: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Decode's nvfp4 step: acc[BLOCK_N, BLOCK_K / 16] += the scaled sums of each 16-value group, read as 32-bit
-    words of eight codes (word j holds k = 8j .. 8j + 7, nibble i = k - 8j; two words per group)."""
+def _nvfp4_words(q_ptr, wide_rows, row_ok, k0, k_end, stride_q, BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K / 8] uint32 words of codes for k0 .. k0 + BLOCK_K (none past k_end): word j holds
+    k = 8j .. 8j + 7, nibble i = k - 8j."""
     word = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)     # k0: a multiple of BLOCK_K
+    words = tl.load(q_ptr + wide_rows[:, None] * stride_q + word[None, :],
+                    mask=row_ok[:, None] & (word < k_end // 8)[None, :], other=0)
+    return words.to(tl.uint32, bitcast=True)
+
+
+@jit
+def _nvfp4_row_step(acc, words, x_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_s, X_BF16: tl.constexpr,
+                    EVEN_K: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Decode's nvfp4 step on the tile's words (:func:`_nvfp4_words`): acc[BLOCK_N, BLOCK_K / 16] += the scaled
+    sums of each 16-value group (two words)."""
+    word = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
     group = tl.multiple_of(k0 // 16, BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
     word_ok = (word < K // 8) | EVEN_K
-    words = tl.load(q_ptr + wide_rows[:, None] * stride_q + word[None, :], mask=row_ok[:, None] & word_ok[None, :],
-                    other=0).to(tl.uint32, bitcast=True)
     s_mask = row_ok[:, None] & ((group < K // 16) | EVEN_K)[None, :]
     scale = _fp8_as_f32(tl.load(s_ptr + wide_rows[:, None] * stride_s + group[None, :], mask=s_mask, other=0))
     products = tl.zeros(words.shape, dtype=tl.float32)
@@ -276,10 +284,17 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, s
     else:
         acc = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
     k_begin = tl.program_id(1) * k_split
-    for k0 in range(k_begin, tl.minimum(k_begin + k_split, K), BLOCK_K):
-        if ONE_ROW and NVFP4:
-            acc = _nvfp4_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s, X_BF16,
-                                  EVEN_K, ASM, BLOCK_K)
+    k_end = tl.minimum(k_begin + k_split, K)
+    if EVEN_K:
+        k_end = tl.multiple_of(k_end, BLOCK_K)
+    if ONE_ROW and NVFP4:
+        words = _nvfp4_words(q_ptr, wide_rows, row_ok, k_begin, k_end, stride_q, BLOCK_K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if ONE_ROW and NVFP4:   # the next tile's words are in flight while this one is decoded
+            ahead = _nvfp4_words(q_ptr, wide_rows, row_ok, k0 + BLOCK_K, k_end, stride_q, BLOCK_K)
+            acc = _nvfp4_row_step(acc, words, x_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_s, X_BF16, EVEN_K, ASM,
+                                  BLOCK_K)
+            words = ahead
         elif ONE_ROW:
             acc = _fp8_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s, GROUP,
                                 PER_CHANNEL, EVEN_K, BLOCK_K)
