@@ -12,7 +12,8 @@
 ``*_reference``: dequantise in PyTorch, then ``F.linear`` (the CPU path and the oracle).
 ``*_triton``: one fused kernel that streams the quantized bytes, dequantises in registers and multiplies, for up to
 :data:`GEMV_MAX_ROWS` rows of ``x``: the weights are never expanded in memory. Decode (one row) is bound by
-instruction issue, not by bytes, so its steps are written for few instructions per weight (counted in sm_90 SASS):
+instruction issue, not by bytes, so its steps are written for few instructions per weight (counted in sm_90 SASS
+by ``bench/gemv_sass.py``):
 nvfp4 codes are read as 32-bit words and decoded two at a time (:func:`_e2m1_lanes_over_2_14`), fp8 bytes are loaded
 as uint8 (no masking selects), and runs of 16 products are summed in registers before their scale is applied.
 Several rows use ``tl.dot``, and each block of up to 64 rows re-reads the weights, so
@@ -66,8 +67,8 @@ def weight_kind(nvfp4: bool, group: int, k: int) -> str:
 
 
 def default_config(kind: str, n: int, k: int, bucket: int) -> GemvConfig:
-    """The heuristic for shapes and devices the table does not list (decode: the tile with the fewest instructions
-    per weight in sm_90's SASS for both formats)."""
+    """The heuristic for shapes and devices the table does not list (decode: a tile with few instructions per
+    weight in sm_90's SASS for both formats, ``bench/gemv_sass.py``)."""
     return GemvConfig(32, 512, 4, 1) if bucket == 1 else GemvConfig(32, 256, 4, 3)
 
 

@@ -1,0 +1,113 @@
+"""SASS instructions per weight in the fused quantized GEMV's main loop, compiled for a CUDA target on any machine.
+
+    python bench/gemv_sass.py nvfp4 34816 5120 [--rows 1] [--config 32,512,4,1,1] [--arch 90] [--dump out.sass]
+                              [--json out.json]
+
+Decode GEMVs are bound by instruction issue (an SM issues 128 thread-instructions per clock), so the loop's
+instruction count per weight bounds the bytes per second a tile configuration can reach; this counts it without a
+GPU: the launch is recorded as ``compile_kernels.py`` records it, compiled by Triton for ``--arch`` and disassembled
+with Triton's bundled ``nvdisasm``. The loop is the longest backward branch's body; weights per thread and
+iteration are block_n * block_k / (32 * warps).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compile_kernels as ck  # noqa: E402  (sets a fresh Triton cache and the repository path)
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+
+from flashrt_ros.runtime.kernels import quant_gemv as kq  # noqa: E402
+
+_ADDRESS = re.compile(r"/\*([0-9a-f]{4,})\*/")
+
+
+def record(kind: str, n: int, k: int, rows: int, config: kq.GemvConfig | None) -> ck.Launch:
+    """The GEMV launch the kernels make for this shape, recorded on CPU tensors (nothing runs)."""
+    recorder = ck._Recorder()
+    x = torch.empty(rows, k, dtype=torch.bfloat16)
+    with recorder.recording():
+        if kind == "nvfp4":
+            kq.nvfp4_linear_triton(x, torch.empty(n, k // 2, dtype=torch.uint8),
+                                   torch.empty(n, k // kq.NVFP4_GROUP, dtype=torch.float8_e4m3fn), torch.empty(n),
+                                   config=config)
+        else:
+            group = k if kind == "fp8" else ck.FP8_BLOCK
+            kq.fp8_linear_triton(x, torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n, k // group),
+                                 config=config)
+    return next(launch for launch in recorder.launches if launch.kernel.__name__ == "_quant_gemv_kernel")
+
+
+def sass(launch: ck.Launch, arch: int) -> str:
+    target = GPUTarget("cuda", arch, 32)
+    signature, constexprs, attrs, options = ck._compile_key(launch, make_backend(target))
+    compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp, "kernel.cubin")
+        cubin.write_bytes(compiled.asm["cubin"])
+        nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+        return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def loop_opcodes(text: str) -> collections.Counter:
+    """Opcode counts of the body of the longest backward branch (the K loop)."""
+    lines = [(int(m.group(1), 16), line) for line in text.splitlines() if (m := _ADDRESS.search(line))]
+    best: list[str] = []
+    for index, (here, line) in enumerate(lines):
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", line) or re.search(r"\bBRA\b\s+`\(\.L_x_(\d+)\)", line)
+        if not branch:
+            continue
+        label = re.search(r"`\((\.L_x_\d+)\)", line)
+        start = None
+        if label:
+            where = text.find(f"{label.group(1)}:")
+            after = _ADDRESS.search(text, where) if where >= 0 else None
+            start = int(after.group(1), 16) if after else None
+        if start is not None and start < here:
+            body = [ln for address, ln in lines[:index + 1] if address >= start]
+            best = body if len(body) > len(best) else best
+    return collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln).group(1) for ln in best)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind", choices=kq.WEIGHT_KINDS)
+    parser.add_argument("n", type=int)
+    parser.add_argument("k", type=int)
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--config", help="block_n,block_k,warps,stages,splits (default: the kernels' choice on CPU)")
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--dump", type=Path, help="write the whole SASS here")
+    parser.add_argument("--json", type=Path, help="write the counts here")
+    args = parser.parse_args(argv)
+    config = kq.GemvConfig(*map(int, args.config.split(","))) if args.config else None
+    launch = record(args.kind, args.n, args.k, args.rows, config)
+    text = sass(launch, args.arch)
+    if args.dump:
+        args.dump.write_text(text)
+    opcodes = loop_opcodes(text)
+    used = config or kq.gemv_config(args.kind, args.n, args.k, args.rows, torch.device("cpu"))
+    weights = used.block_n * used.block_k / (32 * used.num_warps)
+    total = sum(opcodes.values())
+    print(f"{args.kind} {args.n}x{args.k} rows {args.rows} {tuple(used)} sm_{args.arch}: {total} loop instructions, "
+          f"{weights:.0f} weights per thread, {total / weights:.2f} per weight")
+    print(", ".join(f"{op} {count}" for op, count in opcodes.most_common()))
+    if args.json:
+        args.json.write_text(json.dumps({"config": list(used), "instructions": total, "weights_per_thread": weights,
+                                         "per_weight": total / weights, "opcodes": dict(opcodes)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
