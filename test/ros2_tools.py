@@ -64,8 +64,23 @@ def started(*command: str, log: Path):
             process.wait(10)
 
 
+def _lifecycle(*args: str, timeout: float = 30.0) -> str:
+    """`ros2 lifecycle ARGS...`, asked again while it answers "Node not found". The verb finds lifecycle nodes by
+    their get_state service in the daemon's graph, which can lag behind (or briefly lose) a node that `ros2 node
+    list` shows, on a loaded machine; anything else it answers, and a node still missing at the deadline, fail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = subprocess.run([str(ROS2), "lifecycle", *args], env=ENV, capture_output=True, text=True, timeout=60)
+        output = done.stdout + done.stderr
+        if done.returncode == 0 or "Node not found" not in output or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert done.returncode == 0, f"ros2 lifecycle {' '.join(args)} exited {done.returncode}:\n{output}"
+    return output
+
+
 def lifecycle_state(node: str) -> str:
-    return ros2("lifecycle", "get", node).split()[0]
+    return _lifecycle("get", node).split()[0]
 
 
 def wait_for_state(client, state: int, log: Path, timeout: float = 120.0) -> None:
@@ -103,4 +118,4 @@ def wait_for_daemon(node: str, timeout: float = 30.0) -> None:
 
 def lifecycle_set(node: str, transition: str) -> str:
     # `ros2 lifecycle set` exits 0 when the transition fails: its output says which.
-    return ros2("lifecycle", "set", node, transition).strip()
+    return _lifecycle("set", node, transition).strip()
