@@ -15,6 +15,7 @@ import argparse
 import collections
 import json
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -48,7 +49,8 @@ def record(kind: str, n: int, k: int, rows: int, config: kq.GemvConfig | None) -
     return next(launch for launch in recorder.launches if launch.kernel.__name__ == "_quant_gemv_kernel")
 
 
-def sass(launch: ck.Launch, arch: int) -> str:
+def sass(launch: ck.Launch, arch: int) -> tuple[str, int, int]:
+    """The kernel's SASS text, its registers per thread (from the cubin) and its local-memory (spill) accesses."""
     target = GPUTarget("cuda", arch, 32)
     signature, constexprs, attrs, options = ck._compile_key(launch, make_backend(target))
     compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
@@ -57,7 +59,28 @@ def sass(launch: ck.Launch, arch: int) -> str:
         cubin = Path(tmp, "kernel.cubin")
         cubin.write_bytes(compiled.asm["cubin"])
         nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-        return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+        text = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return text, _registers(compiled.asm["cubin"]), len(re.findall(r"\b(?:STL|LDL)\b", text))
+
+
+def _registers(cubin: bytes) -> int:
+    """Registers per thread, as ptxas records them in the cubin: the EIATTR_REGCOUNT (0x2f) attribute of the ELF
+    ``.nv.info`` section, a record of format 4 (a 16-bit size, then the function's symbol and the count as u32)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = sections[shstrndx][4]
+    for name, _, _, _, offset, size, *_ in sections:
+        if cubin[names + name:cubin.index(b"\0", names + name)] != b".nv.info":
+            continue
+        at = offset
+        while at < offset + size:
+            fmt, attribute = cubin[at], cubin[at + 1]
+            length = struct.unpack_from("<H", cubin, at + 2)[0] if fmt == 4 else 0
+            if attribute == 0x2F:
+                return struct.unpack_from("<I", cubin, at + 8)[0]
+            at += 4 + length
+    raise ValueError("no register count in the cubin")
 
 
 def loop_opcodes(text: str) -> collections.Counter:
@@ -93,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = kq.GemvConfig(*map(int, args.config.split(","))) if args.config else None
     launch = record(args.kind, args.n, args.k, args.rows, config)
-    text = sass(launch, args.arch)
+    text, registers, spills = sass(launch, args.arch)
     if args.dump:
         args.dump.write_text(text)
     opcodes = loop_opcodes(text)
@@ -101,11 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     weights = used.block_n * used.block_k / (32 * used.num_warps)
     total = sum(opcodes.values())
     print(f"{args.kind} {args.n}x{args.k} rows {args.rows} {tuple(used)} sm_{args.arch}: {total} loop instructions, "
-          f"{weights:.0f} weights per thread, {total / weights:.2f} per weight")
+          f"{weights:.0f} weights per thread, {total / weights:.2f} per weight, {registers} registers, "
+          f"{spills} local-memory accesses")
     print(", ".join(f"{op} {count}" for op, count in opcodes.most_common()))
     if args.json:
         args.json.write_text(json.dumps({"config": list(used), "instructions": total, "weights_per_thread": weights,
-                                         "per_weight": total / weights, "opcodes": dict(opcodes)}))
+                                         "per_weight": total / weights, "registers": registers,
+                                         "local_memory_accesses": spills, "opcodes": dict(opcodes)}))
     return 0
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
-# Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tests | quant | profile | capsules)
+# Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
+# capsules; quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS)
 # Every phase keeps its whole log under $OUT (the device tool returns only the output's tail).
 # The wheels in .whl (transformers 5.24.0, fla-core 0.6.0: what the machine lacks) are installed first.
 set -uo pipefail
@@ -49,9 +50,11 @@ for phase in "$@"; do
       done
       ;;
     profile)
-      for context in 16384 8192; do
-        python3 bench/profile_step.py qwen3.5-0.8b $context 24 > "$OUT/profile_0.8b_$context.txt" 2>&1
-        echo "profile $context rc=$?"; grep -E " ms$|graphs" "$OUT/profile_0.8b_$context.txt"
+      preset=${PROFILE_PRESET:-qwen3.5-0.8b}; format=${PROFILE_FORMAT:-dense}
+      for context in ${PROFILE_CONTEXTS:-16384 8192}; do
+        timeout "${BENCH_TIMEOUT_S:-540}" python3 bench/profile_step.py $preset $context 24 $format \
+            > "$OUT/profile_${preset}_${format}_$context.txt" 2>&1
+        echo "profile $context rc=$?"; grep -E " ms$|graphs" "$OUT/profile_${preset}_${format}_$context.txt"
       done
       ;;
     capsules)

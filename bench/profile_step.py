@@ -1,6 +1,6 @@
 """Where do a decode step, the capsule TTFT's small piece and its first-token logits spend GPU time? A diagnostic
-run on the device: ``python3 bench/profile_step.py PRESET CONTEXT [SUFFIX]`` prints the replay times and, per
-step, the top kernels by device time (torch.profiler)."""
+run on the device: ``python3 bench/profile_step.py PRESET CONTEXT [SUFFIX] [WEIGHTS_FORMAT]`` prints the replay
+times and, per step, the top kernels by device time (torch.profiler)."""
 import sys
 
 import torch
@@ -14,8 +14,9 @@ from flashrt_ros.runtime.verify import prompt_tokens
 preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-0.8b"
 context = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
 suffix = int(sys.argv[3]) if len(sys.argv) > 3 else 24
+weights_format = sys.argv[4] if len(sys.argv) > 4 else "dense"
 engine = Engine(EngineConfig(model=preset, device="cuda", dtype="bfloat16", max_context=context + 128,
-                             prefill_chunk=2048, checksum_on_snapshot=False))
+                             prefill_chunk=2048, checksum_on_snapshot=False, weights_format=weights_format))
 device = engine.device
 engine.ingest(prompt_tokens(engine.vocab_size, context, "profile"))
 engine.snapshot("base")
@@ -34,7 +35,7 @@ def median_ms(fn, repeats=20):
     return sorted(out)[len(out) // 2]
 
 
-print(f"{preset} at {context}: {len(engine.graphs.graphs)} graphs, kernels {engine.kernel_name}")
+print(f"{preset} {engine.weights_format} at {context}: {len(engine.graphs.graphs)} graphs, kernels {engine.kernel_name}")
 for name, fn in steps.items():
     print(f"{name}: {median_ms(fn):.3f} ms")
 for name, fn in steps.items():
@@ -43,4 +44,4 @@ for name, fn in steps.items():
         fn()
         torch.cuda.synchronize()
     print("=====", name)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))

@@ -57,7 +57,7 @@ def candidates(kind: str, bucket: int) -> list[kq.GemvConfig]:
     """The configurations swept (splits resolved per shape by :func:`split_choices`)."""
     if bucket == 1:
         return [kq.GemvConfig(bn, bk, w, s) for bn in (16, 32, 64) for bk in (256, 512) for w in (4, 8)
-                for s in (1, 3)] + [kq.GemvConfig(bn, 1024, 8, 1) for bn in (16, 32)]
+                for s in (1, 3)] + [kq.GemvConfig(bn, 1024, 8, 1) for bn in (16, 32, 64)]
     return [kq.GemvConfig(bn, bk, w, 3) for bn in (32, 64) for bk in (128, 256) for w in (4, 8)]
 
 

@@ -14,7 +14,7 @@
 :data:`GEMV_MAX_ROWS` rows of ``x``: the weights are never expanded in memory. Decode (one row) is bound by
 instruction issue, not by bytes, so its steps are written for few instructions per weight (counted in sm_90 SASS
 by ``bench/gemv_sass.py``):
-nvfp4 codes are read as 32-bit words and decoded two at a time (:func:`_e2m1_lanes_over_2_14`), fp8 bytes are loaded
+nvfp4 codes are read as 32-bit words and decoded two at a time (:func:`_e2m1_pairs_over_2_14`), fp8 bytes are loaded
 as uint8 (no masking selects), and runs of 16 products are summed in registers before their scale is applied.
 Several rows use ``tl.dot``, and each block of up to 64 rows re-reads the weights, so
 :class:`~..quant.QuantLinear` sends only pieces of up to :func:`fused_max_rows` rows here; longer pieces are
@@ -135,26 +135,38 @@ def _e2m1_over_2_14(code):
 
 
 @jit
-def _e2m1_lanes_over_2_14(words, SHIFT: tl.constexpr, ASM: tl.constexpr):
-    """Nibbles i and i + 4 (SHIFT = 12 - 4i) of each uint32 word of eight E2M1 codes -> two fp32 tensors of their
-    values / 2^14. The same bit placement as :func:`_e2m1_over_2_14`, done on both 16-bit halves of the word at once:
-    nibble i's sign goes to bit 15 and its magnitude bits to 9-11, nibble i + 4's to bits 31 and 25-27; each half is
-    then an fp16, widened exactly. Two shifts and two logic operations make two values, where decoding one code at a
-    time costs six integer operations per value (the decode loop is bound by instruction issue, not by bytes)."""
-    sign = (words << SHIFT) & 0x80008000
-    if SHIFT >= 3:
-        magnitude = (words << (SHIFT - 3)) & 0x0E000E00
+def _e2m1_pairs_over_2_14(words, ASM: tl.constexpr):
+    """Each uint32 word of eight E2M1 codes (nibble n: k = 8j + n) -> four uint32 of two fp16 halves, the codes'
+    values / 2^14, for k = (0, 2), (4, 6), (1, 3), (5, 7). The bit placement of :func:`_e2m1_over_2_14`: first every
+    code becomes a byte ``s000eem0`` (fp16's high byte: sign at bit 15, magnitude at bits 9-11), the even nibbles'
+    in one word and the odd ones' in another (seven integer operations), then each pair of bytes moves into the high
+    bytes of two halves, the low bytes zero (one ``prmt`` each): 11 operations for 8 values (the decode loop is
+    bound by instruction issue, not by bytes)."""
+    even = ((words << 1) & 0x0E0E0E0E) | ((words << 4) & 0x80808080)     # byte b: nibble 2b
+    odd = ((words >> 3) & 0x0E0E0E0E) | (words & 0x80808080)             # byte b: nibble 2b + 1
+    return (_bytes_to_high_halves(even, 0x1404, ASM), _bytes_to_high_halves(even, 0x3424, ASM),
+            _bytes_to_high_halves(odd, 0x1404, ASM), _bytes_to_high_halves(odd, 0x3424, ASM))
+
+
+@jit
+def _bytes_to_high_halves(lanes, SELECTOR: tl.constexpr, ASM: tl.constexpr):
+    """Bytes 0 and 1 (SELECTOR 0x1404) or 2 and 3 (0x3424) of each uint32 -> bytes 1 and 3, the others zero."""
+    if ASM:
+        out = tl.inline_asm_elementwise(f"prmt.b32 $0, $1, 0, {SELECTOR};", "=r,r", [lanes], dtype=tl.uint32,
+                                        is_pure=True, pack=1)
+    elif SELECTOR == 0x1404:
+        out = ((lanes & 0xFF) << 8) | ((lanes & 0xFF00) << 16)
     else:
-        magnitude = (words >> (3 - SHIFT)) & 0x0E000E00
-    return _f16_halves_to_f32(sign | magnitude, ASM)
+        out = ((lanes >> 8) & 0xFF00) | (lanes & 0xFF000000)
+    return out
 
 
 @jit
 def _f16_halves_to_f32(lanes, ASM: tl.constexpr):
     """The two fp16 halves of each uint32 as two fp32 tensors. On the GPU one ``cvt`` per half, read straight from
     the 32-bit register: as Triton fp16 tensors, the halves of neighbouring elements would first be repacked in
-    pairs (a PRMT per two values). ASM is off in the interpreter, which runs no PTX: there the same widening in
-    Triton ops."""
+    pairs (a PRMT per two values). ASM is off in the interpreter, which runs no PTX: there the same operation in
+    Triton ops (here and in the other ``ASM`` helpers)."""
     if ASM:
         low, high = tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
@@ -163,6 +175,33 @@ def _f16_halves_to_f32(lanes, ASM: tl.constexpr):
         low = lanes.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         high = (lanes >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return low, high
+
+
+@jit
+def _f32_to_f16_halves(low, high, ASM: tl.constexpr):
+    """Two fp32 tensors rounded to fp16 and packed as the low and high halves of one uint32 (one ``cvt``)."""
+    if ASM:
+        lanes = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [low, high], dtype=tl.uint32,
+                                          is_pure=True, pack=1)
+    else:
+        lanes = (low.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+                 | (high.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
+    return lanes
+
+
+@jit
+def _fma_f16_halves(a, b, c, ASM: tl.constexpr):
+    """a * b + c on the fp16 halves of uint32 lanes, two products per instruction (``fma.rn.f16x2``; subnormals kept).
+    The interpreter's version rounds through fp32 first (fp16 products are exact in fp32)."""
+    if ASM:
+        out = tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.uint32,
+                                        is_pure=True, pack=1)
+    else:
+        a_low, a_high = _f16_halves_to_f32(a, False)
+        b_low, b_high = _f16_halves_to_f32(b, False)
+        c_low, c_high = _f16_halves_to_f32(c, False)
+        out = _f32_to_f16_halves(a_low * b_low + c_low, a_high * b_high + c_high, False)
+    return out
 
 
 @jit
@@ -193,22 +232,22 @@ def _fp8_as_f32(raw):
 
 
 @jit
-def _x_pair(x_ptr, word, word_ok, I: tl.constexpr, X_BF16: tl.constexpr):
-    """x[8j + I] and x[8j + I + 4] as fp32 for each word j (the k of nibbles I and I + 4). bf16 x is read as 32-bit
-    pairs: k = 8j + I and 8j + I + 4 are the same half of pairs 4j + I // 2 and 4j + I // 2 + 2, and widening a bf16
-    half to fp32 is one shift or mask."""
+def _x_lanes(x_ptr, word, word_ok, x_mul, X_BF16: tl.constexpr, ASM: tl.constexpr):
+    """x * x_mul as fp16 halves of four uint32 for each word j, matching :func:`_e2m1_pairs_over_2_14`'s pairs:
+    k = 8j + (0, 2), (4, 6), (1, 3), (5, 7). bf16 x is read as 32-bit pairs (k = 8j + 2m and 8j + 2m + 1 in pair
+    4j + m): widening a bf16 half to fp32 is one shift or mask."""
     if X_BF16:
-        first = tl.load(x_ptr + 4 * word + I // 2, mask=word_ok, other=0).to(tl.uint32, bitcast=True)
-        second = tl.load(x_ptr + 4 * word + I // 2 + 2, mask=word_ok, other=0).to(tl.uint32, bitcast=True)
-        if I % 2 == 0:
-            first, second = first << 16, second << 16
-        else:
-            first, second = first & 0xFFFF0000, second & 0xFFFF0000
-        low, high = first.to(tl.float32, bitcast=True), second.to(tl.float32, bitcast=True)
+        q0 = tl.load(x_ptr + 4 * word, mask=word_ok, other=0).to(tl.uint32, bitcast=True)
+        q1 = tl.load(x_ptr + 4 * word + 1, mask=word_ok, other=0).to(tl.uint32, bitcast=True)
+        q2 = tl.load(x_ptr + 4 * word + 2, mask=word_ok, other=0).to(tl.uint32, bitcast=True)
+        q3 = tl.load(x_ptr + 4 * word + 3, mask=word_ok, other=0).to(tl.uint32, bitcast=True)
+        lows = [(q << 16).to(tl.float32, bitcast=True) * x_mul for q in (q0, q1, q2, q3)]
+        highs = [(q & 0xFFFF0000).to(tl.float32, bitcast=True) * x_mul for q in (q0, q1, q2, q3)]
+        values = (lows[0], lows[1], lows[2], lows[3], highs[0], highs[1], highs[2], highs[3])  # k = 8j + 0, 2, .. 7
     else:
-        low = tl.load(x_ptr + 8 * word + I, mask=word_ok, other=0).to(tl.float32)
-        high = tl.load(x_ptr + 8 * word + I + 4, mask=word_ok, other=0).to(tl.float32)
-    return low, high
+        values = [tl.load(x_ptr + 8 * word + n, mask=word_ok, other=0) * x_mul for n in (0, 2, 4, 6, 1, 3, 5, 7)]
+    return (_f32_to_f16_halves(values[0], values[1], ASM), _f32_to_f16_halves(values[2], values[3], ASM),
+            _f32_to_f16_halves(values[4], values[5], ASM), _f32_to_f16_halves(values[6], values[7], ASM))
 
 
 @jit
@@ -222,22 +261,56 @@ def _nvfp4_words(q_ptr, wide_rows, row_ok, k0, k_end, stride_q, BLOCK_K: tl.cons
 
 
 @jit
-def _nvfp4_row_step(acc, words, x_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_s, X_BF16: tl.constexpr,
+def _x_magnitude_exponent(x_ptr, k_begin, k_end, X_BF16: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 exponent field E of max |x[k_begin:k_end]| (|x| < 2^(E - 126)), at least 14 (see
+    :func:`_nvfp4_row_step`). bf16 x is read as 32-bit pairs; the maximum is taken on the magnitudes' bits, which
+    order as the values do."""
+    biggest = tl.zeros((BLOCK_K // 2,), dtype=tl.uint32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if X_BF16:
+            pair = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            raw = tl.load(x_ptr + pair, mask=pair < k_end // 2, other=0).to(tl.uint32, bitcast=True)
+            biggest = tl.maximum(biggest, tl.maximum((raw << 16) & 0x7FFFFFFF, raw & 0x7FFF0000))
+        else:
+            k = k0 + tl.arange(0, BLOCK_K // 2)
+            for half in tl.static_range(2):
+                raw = tl.load(x_ptr + k + half * (BLOCK_K // 2), mask=k + half * (BLOCK_K // 2) < k_end, other=0)
+                biggest = tl.maximum(biggest, raw.to(tl.uint32, bitcast=True) & 0x7FFFFFFF)
+    return tl.maximum(tl.max(biggest, axis=0) >> 23, 14)
+
+
+@jit
+def _nvfp4_word_products(sums, words, x_ptr, word, word_ok, x_mul, X_BF16: tl.constexpr, ASM: tl.constexpr):
+    """sums (fp16 halves) += the products of one word of codes per group with their x: four fma.rn.f16x2."""
+    w02, w46, w13, w57 = _e2m1_pairs_over_2_14(words, ASM)
+    x02, x46, x13, x57 = _x_lanes(x_ptr, word, word_ok, x_mul, X_BF16, ASM)
+    sums = _fma_f16_halves(w02, x02[None, :], sums, ASM)
+    sums = _fma_f16_halves(w46, x46[None, :], sums, ASM)
+    sums = _fma_f16_halves(w13, x13[None, :], sums, ASM)
+    return _fma_f16_halves(w57, x57[None, :], sums, ASM)
+
+
+@jit
+def _nvfp4_row_step(acc, words, x_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_s, x_mul, X_BF16: tl.constexpr,
                     EVEN_K: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Decode's nvfp4 step on the tile's words (:func:`_nvfp4_words`): acc[BLOCK_N, BLOCK_K / 16] += the scaled
-    sums of each 16-value group (two words)."""
-    word = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    """Decode's nvfp4 step on the tile's words (:func:`_nvfp4_words`): acc[BLOCK_N, BLOCK_K / 16] += each 16-value
+    group's scale times the sum of its products.
+
+    The products are fp16, two per instruction: the codes decode to value / 2^14 (:func:`_e2m1_pairs_over_2_14`)
+    and x is scaled by ``x_mul`` = 2^(14 - p) into fp16, where |x| < 2^(p + 1) over the program's K slice, so every
+    x fits (|x * x_mul| < 2^15), each product is the value * x / 2^p, and each group's two sums of eight stay below
+    2^7. The caller multiplies by 2^p at the end. A group's sums round to fp16 (11 bits), finer than the bf16
+    activations themselves and than the reference's bf16 rounding of the dequantised weights."""
     group = tl.multiple_of(k0 // 16, BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-    word_ok = (word < K // 8) | EVEN_K
     s_mask = row_ok[:, None] & ((group < K // 16) | EVEN_K)[None, :]
     scale = _fp8_as_f32(tl.load(s_ptr + wide_rows[:, None] * stride_s + group[None, :], mask=s_mask, other=0))
-    products = tl.zeros(words.shape, dtype=tl.float32)
-    for i in tl.static_range(4):
-        low, high = _e2m1_lanes_over_2_14(words, 12 - 4 * i, ASM)
-        x_low, x_high = _x_pair(x_ptr, word, word_ok, i, X_BF16)
-        products += low * x_low[None, :]
-        products += high * x_high[None, :]
-    return acc + tl.sum(tl.reshape(products, (products.shape[0], BLOCK_K // 16, 2)), axis=2) * (scale * 16384.0)
+    first, second = tl.split(tl.reshape(words, (words.shape[0], BLOCK_K // 16, 2)))   # a group's two words
+    sums = tl.zeros(first.shape, dtype=tl.uint32)
+    word_ok = (2 * group + 1 < K // 8) | EVEN_K
+    sums = _nvfp4_word_products(sums, first, x_ptr, 2 * group, word_ok, x_mul, X_BF16, ASM)
+    sums = _nvfp4_word_products(sums, second, x_ptr, 2 * group + 1, word_ok, x_mul, X_BF16, ASM)
+    low, high = _f16_halves_to_f32(sums, ASM)
+    return acc + (low + high) * scale
 
 
 @jit
@@ -289,12 +362,14 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, s
     if EVEN_K:
         k_end = tl.multiple_of(k_end, BLOCK_K)
     if ONE_ROW and NVFP4:
+        x_exponent = _x_magnitude_exponent(x_ptr, k_begin, k_end, X_BF16, BLOCK_K)
+        x_mul = ((268 - x_exponent) << 23).to(tl.float32, bitcast=True)         # 2^(14 - p), p = x_exponent - 127
         words = _nvfp4_words(q_ptr, wide_rows, row_ok, k_begin, k_end, stride_q, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if ONE_ROW and NVFP4:   # the next tile's words are in flight while this one is decoded
             ahead = _nvfp4_words(q_ptr, wide_rows, row_ok, k0 + BLOCK_K, k_end, stride_q, BLOCK_K)
-            acc = _nvfp4_row_step(acc, words, x_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_s, X_BF16, EVEN_K, ASM,
-                                  BLOCK_K)
+            acc = _nvfp4_row_step(acc, words, x_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_s, x_mul, X_BF16, EVEN_K,
+                                  ASM, BLOCK_K)
             words = ahead
         elif ONE_ROW:
             acc = _fp8_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s, GROUP,
@@ -329,7 +404,9 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, s
         result = tl.sum(acc, axis=1)[None, :]
     else:
         result = acc
-    if NVFP4:
+    if ONE_ROW and NVFP4:                                                        # times 2^p
+        result = result * (tl.load(r_ptr + rows, mask=row_ok, other=0) * (x_exponent << 23).to(tl.float32, bitcast=True))[None, :]
+    elif NVFP4:
         result = result * tl.load(r_ptr + rows, mask=row_ok, other=0)[None, :]
     elif PER_CHANNEL:
         result = result * tl.load(s_ptr + rows, mask=row_ok, other=0)[None, :]
@@ -373,7 +450,7 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
     if nvfp4:   # decode reads the packed codes as 32-bit words (K is a multiple of 16), fp8 scales as bytes
         q, scale = (q.view(torch.int32) if rows == 1 else q), scale.view(torch.uint8)
         if rows == 1 and x_bf16:
-            x = x.view(torch.int32)                                   # bf16 pairs (see _x_pair)
+            x = x.view(torch.int32)                                   # bf16 pairs (see _x_lanes)
     else:
         q = q.view(torch.uint8)
     _quant_gemv_kernel[(n_blocks, splits, l_blocks)](
