@@ -16,7 +16,8 @@ context = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
 suffix = int(sys.argv[3]) if len(sys.argv) > 3 else 24
 weights_format = sys.argv[4] if len(sys.argv) > 4 else "dense"
 engine = Engine(EngineConfig(model=preset, device="cuda", dtype="bfloat16", max_context=context + 128,
-                             prefill_chunk=2048, checksum_on_snapshot=False, weights_format=weights_format))
+                             prefill_chunk=2048, checksum_on_snapshot=False, weights_format=weights_format,
+                             capsule_budget_bytes=16 << 30))
 device = engine.device
 engine.ingest(prompt_tokens(engine.vocab_size, context, "profile"))
 engine.snapshot("base")

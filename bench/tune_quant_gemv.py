@@ -62,10 +62,12 @@ def candidates(kind: str, bucket: int) -> list[kq.GemvConfig]:
 
 
 def split_choices(config: kq.GemvConfig, n: int, k: int, rows: int, device: torch.device) -> list[kq.GemvConfig]:
-    """The configuration with one K slice, with the default's count (~4 programs per SM) and half of it."""
+    """The configuration with one to four K slices, with the default's count (~4 programs per SM) and half of it
+    (the few-slice counts let a grid that fills the GPU a little over a whole number of times be cut finer)."""
     programs = -(-n // config.block_n) * -(-rows // kq.rows_bucket(rows))
     k_blocks = -(-k // config.block_k)
-    counts = sorted({1, kq._splits(device, programs, k_blocks, 0), max(1, kq._splits(device, programs, k_blocks, 0) // 2)})
+    default = kq._splits(device, programs, k_blocks, 0)
+    counts = sorted({min(s, k_blocks) for s in (1, 2, 3, 4, default, max(1, default // 2))})
     return [config._replace(splits=s) for s in counts]
 
 

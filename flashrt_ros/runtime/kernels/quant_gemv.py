@@ -361,10 +361,10 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, s
     k_end = tl.minimum(k_begin + k_split, K)
     if EVEN_K:
         k_end = tl.multiple_of(k_end, BLOCK_K)
-    if ONE_ROW and NVFP4:
+    if ONE_ROW and NVFP4:   # the first tile's words are in flight while x's range is found
+        words = _nvfp4_words(q_ptr, wide_rows, row_ok, k_begin, k_end, stride_q, BLOCK_K)
         x_exponent = _x_magnitude_exponent(x_ptr, k_begin, k_end, X_BF16, BLOCK_K)
         x_mul = ((268 - x_exponent) << 23).to(tl.float32, bitcast=True)         # 2^(14 - p), p = x_exponent - 127
-        words = _nvfp4_words(q_ptr, wide_rows, row_ok, k_begin, k_end, stride_q, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if ONE_ROW and NVFP4:   # the next tile's words are in flight while this one is decoded
             ahead = _nvfp4_words(q_ptr, wide_rows, row_ok, k0 + BLOCK_K, k_end, stride_q, BLOCK_K)
