@@ -223,6 +223,22 @@ def test_nvfp4_decode_keeps_its_fp16_products_in_range_for_any_activation_scale(
     assert torch.equal(kq.nvfp4_linear_triton(torch.zeros_like(x), *args), torch.zeros(1, n, dtype=dtype))
 
 
+@needs_triton
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_split_k_gemv_is_summed_in_the_kernel_and_leaves_its_counters_zero(fmt, rows):
+    """Split K: the last slice of each output tile to arrive sums the partials (no torch reduction after the
+    kernel); the result matches the reference, repeats bit for bit, and every arrival counter is back to zero."""
+    g_ = gen(zlib.crc32(repr(("split", fmt, rows)).encode()))
+    x = torch.randn(rows, 1024, generator=g_).bfloat16()
+    weight = random_weight(fmt, 40, 1024, g_)
+    config = kq.GemvConfig(16, 128, 4, 1, 3)                         # 3 output tiles x 3 slices
+    first = assert_matches_reference(fmt, x, weight, config)
+    fused, _, _ = _fused_and_reference(weight)
+    assert torch.equal(fused(x, config), first)
+    assert kq._arrival_tensor(x.device).count_nonzero() == 0
+
+
 def _fused_and_reference(weight: quant.QuantizedWeight):
     args = tuple(weight.tensors().values())
     if weight.fmt == "fp8":
@@ -237,6 +253,7 @@ def assert_matches_reference(fmt, x, weight, config=None):
     tol = gemv_tolerance(weight.fmt, x.dtype, x.shape[0])
     assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max())), (
         fmt, config, describe(got, want))
+    return got
 
 
 def _scaled_down_preset_shapes() -> list[tuple[int, int]]:
@@ -609,6 +626,30 @@ def test_gpu_gemv_matches_its_reference_at_model_shapes(fmt, rows, n, k):
     fast = quant.QuantLinear(weight, use_triton=True)(x).float()
     want = quant.QuantLinear(weight, use_triton=False)(x).float()
     assert torch.allclose(fast, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), describe(fast, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_gpu_split_k_gemv_replays_bit_identically_and_resets_its_counters(fmt):
+    """Seven K slices of a 5120 x 17408 GEMV summed in the kernel by the last slice to arrive: a CUDA graph of it
+    replayed 30 times gives the eager result bit for bit, and the arrival counters end at zero."""
+    g_ = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(1, 17408, device="cuda", generator=g_).bfloat16()
+    weight = quant.QUANTIZERS[fmt](torch.randn(5120, 17408, device="cuda", generator=g_) / 17408 ** 0.5)
+    fused, reference, args = _fused_and_reference(weight)
+    config = kq.GemvConfig(64, 512, 4, 1, 7)
+    eager = fused(x, config)
+    want = reference(x, *args)
+    assert torch.allclose(eager.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fused(x, config)
+    for _ in range(30):
+        replayed.zero_()
+        graph.replay()
+        assert torch.equal(replayed, eager)
+    assert kq._arrival_tensor(x.device).count_nonzero() == 0
 
 
 # ---- the config sweep (bench/tune_quant_gemv.py) -------------------------------------------------------------------

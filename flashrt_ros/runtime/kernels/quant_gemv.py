@@ -23,9 +23,10 @@ compute-bound: :func:`dequantize_triton` writes the weights in ``x``'s dtype in 
 Launch configurations (tile sizes, warps, pipeline stages, split-K count) come from the fixed table in
 :mod:`.quant_gemv_configs`, keyed by device name, weight kind, ``N``, ``K`` and rows bucket, written by
 ``bench/tune_quant_gemv.py`` from a sweep on that device; unseen shapes and devices get :func:`default_config`.
-The configuration fixes the K-reduction order (split-K partials are summed in a fixed order, never with atomics),
-so it must be a deterministic function of shape and device: never ``triton.autotune``, whose timing-dependent
-choice would let a capsule persisted on disk continue differently after a restart.
+The configuration fixes the K-reduction order (split-K partials are summed in slice order by whichever slice
+finishes last, :func:`_sum_slices_when_last`: timing picks who sums, never the order), so it must be a
+deterministic function of shape and device: never ``triton.autotune``, whose timing-dependent choice would let a
+capsule persisted on disk continue differently after a restart.
 """
 from __future__ import annotations
 
@@ -334,8 +335,8 @@ def _fp8_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, 
 
 
 @jit
-def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, stride_q, stride_s, k_split,
-                       X_BF16: tl.constexpr, EVEN_K: tl.constexpr, NVFP4: tl.constexpr, GROUP: tl.constexpr,
+def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrivals_ptr, L, N, K, stride_x, stride_q,
+                       stride_s, k_split, SPLIT: tl.constexpr, X_BF16: tl.constexpr, EVEN_K: tl.constexpr, NVFP4: tl.constexpr, GROUP: tl.constexpr,
                        PER_CHANNEL: tl.constexpr, GROUPED: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr,
                        ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_L, BLOCK_N] output tile over one K slice: out[split, l, n]. Program axes: row block of W, split-K
@@ -405,18 +406,72 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, L, N, K, stride_x, s
     else:
         result = acc
     if ONE_ROW and NVFP4:                                                        # times 2^p
-        result = result * (tl.load(r_ptr + rows, mask=row_ok, other=0) * (x_exponent << 23).to(tl.float32, bitcast=True))[None, :]
+        x_unmul = (x_exponent << 23).to(tl.float32, bitcast=True)
+        result = result * (tl.load(r_ptr + rows, mask=row_ok, other=0) * x_unmul)[None, :]
     elif NVFP4:
         result = result * tl.load(r_ptr + rows, mask=row_ok, other=0)[None, :]
     elif PER_CHANNEL:
         result = result * tl.load(s_ptr + rows, mask=row_ok, other=0)[None, :]
-    out = out_ptr + tl.program_id(1) * L * N + tokens[:, None] * N + rows[None, :]
-    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
+    at = tokens[:, None] * N + rows[None, :]
+    mask = token_ok[:, None] & row_ok[None, :]
+    if SPLIT:
+        _sum_slices_when_last(result, out_ptr, partial_ptr, arrivals_ptr, at, mask, L * N, ASM)
+    else:
+        tl.store(out_ptr + at, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _fence(tile, ASM: tl.constexpr):
+    """``fence.acq_rel.gpu`` in every thread (the interpreter runs programs one after another and needs none)."""
+    if ASM:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [tile], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@jit
+def _sum_slices_when_last(result, out_ptr, partial_ptr, arrivals_ptr, at, mask, SLICE, ASM: tl.constexpr):
+    """Split K: each program stores its slice's fp32 partial; the last of an output tile's slices to arrive (a
+    counter per tile) sums all of them in slice order, so the result does not depend on which one that is, writes
+    it in the output's dtype and resets the counter for the next launch. One kernel, where summing the partials
+    with torch would take two more (a reduction and a cast) per call.
+
+    Ordering: every thread fences its stores before the CTA barrier, one thread counts the arrival with an
+    acquire-release atomic, and the last program fences again before it reads the partials from L2 (``.cg``:
+    its L1 may hold lines of an earlier launch)."""
+    tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(partial_ptr + tl.program_id(1) * SLICE + at, result, mask=mask)
+    _fence(at, ASM)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:
+        _fence(at, ASM)
+        total = tl.zeros(result.shape, dtype=tl.float32)
+        for s in range(tl.num_programs(1)):
+            total += tl.load(partial_ptr + s * SLICE + at, mask=mask, other=0, cache_modifier=".cg")
+        tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+ARRIVAL_COUNTERS = 1 << 16         # output tiles a split-K launch may have (the LM head's finest tiling: 15,520)
+
+
+@functools.cache
+def _arrival_tensor(device: torch.device) -> torch.Tensor:
+    """The split-K arrival counters of this device, all zero between launches (the last program resets its own).
+    Launches on one stream never overlap, so they can share them; made on first use, which is a warm-up run and
+    never a CUDA-graph capture (GraphRunner runs every step once before recording it)."""
+    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    if tiles > ARRIVAL_COUNTERS:
+        raise ValueError(f"a split-K launch of {tiles} output tiles exceeds the {ARRIVAL_COUNTERS} counters")
+    return _arrival_tensor(device)
 
 
 def _splits(device: torch.device, programs: int, k_blocks: int, splits: int) -> int:
@@ -445,7 +500,9 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
     splits = _splits(x.device, n_blocks * l_blocks, k_blocks, config.splits)
     k_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(k, k_split)
-    out = torch.empty((splits, rows, n), device=x.device, dtype=dtype if splits == 1 else torch.float32)
+    out = torch.empty((rows, n), device=x.device, dtype=dtype)
+    partial = torch.empty((splits, rows, n), device=x.device, dtype=torch.float32) if splits > 1 else out
+    arrivals = _arrival_counters(x.device, n_blocks * l_blocks)
     x_bf16 = dtype == torch.bfloat16
     if nvfp4:   # decode reads the packed codes as 32-bit words (K is a multiple of 16), fp8 scales as bytes
         q, scale = (q.view(torch.int32) if rows == 1 else q), scale.view(torch.uint8)
@@ -454,12 +511,12 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
     else:
         q = q.view(torch.uint8)
     _quant_gemv_kernel[(n_blocks, splits, l_blocks)](
-        x, q, scale, row_scale if nvfp4 else scale, out, rows, n, k, x.stride(0), q.stride(0), scale.stride(0),
-        k_split, X_BF16=x_bf16, EVEN_K=k % block_k == 0, NVFP4=nvfp4, GROUP=group, PER_CHANNEL=kind == "fp8",
+        x, q, scale, row_scale if nvfp4 else scale, out, partial, arrivals, rows, n, k, x.stride(0), q.stride(0),
+        scale.stride(0), k_split, SPLIT=splits > 1, X_BF16=x_bf16, EVEN_K=k % block_k == 0, NVFP4=nvfp4, GROUP=group, PER_CHANNEL=kind == "fp8",
         GROUPED=kind != "fp8" and block_k % group == 0, IEEE=dtype == torch.float32 or INTERPRETED,
         ASM=not INTERPRETED, ONE_ROW=rows == 1, BLOCK_L=block_l, BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps,
         num_stages=config.num_stages)
-    return out[0] if splits == 1 else out.sum(0).to(dtype)   # fixed-order reduction: deterministic
+    return out
 
 
 def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
