@@ -36,7 +36,8 @@ def median_ms(fn, repeats=20):
     return sorted(out)[len(out) // 2]
 
 
-print(f"{preset} {engine.weights_format} at {context}: {len(engine.graphs.graphs)} graphs, kernels {engine.kernel_name}")
+print(f"{preset} {engine.weights_format} at {context}: {len(engine.graphs.graphs)} graphs, "
+      f"kernels {engine.kernel_name}")
 for name, fn in steps.items():
     print(f"{name}: {median_ms(fn):.3f} ms")
 for name, fn in steps.items():

@@ -39,10 +39,19 @@ def ros2_daemon_stopped():
     subprocess.run([str(ROS2), "daemon", "stop"], env=ENV, capture_output=True, timeout=30)
 
 
-def ros2(*args: str, timeout: float = 60.0) -> str:
-    """Run `ros2 ARGS...`; its stdout and stderr together (it must exit 0)."""
-    done = subprocess.run([str(ROS2), *args], env=ENV, capture_output=True, text=True, timeout=timeout)
-    output = done.stdout + done.stderr
+def ros2(*args: str, timeout: float = 60.0, find_timeout: float = 30.0) -> str:
+    """Run `ros2 ARGS...`; its stdout and stderr together (it must exit 0). Asked again while it answers "Node
+    not found": the verbs that take a node (`param`, `lifecycle`) look it up in the daemon's graph, which can lag
+    behind, or briefly lose, a node it listed a moment before on a loaded machine (seen in CI for both verbs); a
+    call that found no node did nothing, so asking again is safe. Anything else it answers, and a node still
+    missing after ``find_timeout`` s, fail."""
+    deadline = time.monotonic() + find_timeout
+    while True:
+        done = subprocess.run([str(ROS2), *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+        output = done.stdout + done.stderr
+        if done.returncode == 0 or "Node not found" not in output or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert done.returncode == 0, f"ros2 {' '.join(args)} exited {done.returncode}:\n{output}"
     return output
 
@@ -64,23 +73,8 @@ def started(*command: str, log: Path):
             process.wait(10)
 
 
-def _lifecycle(*args: str, timeout: float = 30.0) -> str:
-    """`ros2 lifecycle ARGS...`, asked again while it answers "Node not found". The verb finds lifecycle nodes by
-    their get_state service in the daemon's graph, which can lag behind (or briefly lose) a node that `ros2 node
-    list` shows, on a loaded machine; anything else it answers, and a node still missing at the deadline, fail."""
-    deadline = time.monotonic() + timeout
-    while True:
-        done = subprocess.run([str(ROS2), "lifecycle", *args], env=ENV, capture_output=True, text=True, timeout=60)
-        output = done.stdout + done.stderr
-        if done.returncode == 0 or "Node not found" not in output or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert done.returncode == 0, f"ros2 lifecycle {' '.join(args)} exited {done.returncode}:\n{output}"
-    return output
-
-
 def lifecycle_state(node: str) -> str:
-    return _lifecycle("get", node).split()[0]
+    return ros2("lifecycle", "get", node).split()[0]
 
 
 def wait_for_state(client, state: int, log: Path, timeout: float = 120.0) -> None:
@@ -118,4 +112,4 @@ def wait_for_daemon(node: str, timeout: float = 30.0) -> None:
 
 def lifecycle_set(node: str, transition: str) -> str:
     # `ros2 lifecycle set` exits 0 when the transition fails: its output says which.
-    return _lifecycle("set", node, transition).strip()
+    return ros2("lifecycle", "set", node, transition).strip()

@@ -336,11 +336,13 @@ def _fp8_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, 
 
 @jit
 def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrivals_ptr, L, N, K, stride_x, stride_q,
-                       stride_s, k_split, SPLIT: tl.constexpr, X_BF16: tl.constexpr, EVEN_K: tl.constexpr, NVFP4: tl.constexpr, GROUP: tl.constexpr,
-                       PER_CHANNEL: tl.constexpr, GROUPED: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr,
-                       ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One [BLOCK_L, BLOCK_N] output tile over one K slice: out[split, l, n]. Program axes: row block of W, split-K
-    index, block of x's rows (each block re-reads its weights).
+                       stride_s, k_split, SPLIT: tl.constexpr, X_BF16: tl.constexpr, EVEN_K: tl.constexpr,
+                       NVFP4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUPED: tl.constexpr,
+                       IEEE: tl.constexpr, ASM: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_L, BLOCK_N] output tile over one K slice: out[l, n], or with SPLIT its slice's partial, summed
+    by :func:`_sum_slices_when_last`. Program axes: row block of W, split-K index, block of x's rows (each block
+    re-reads its weights).
 
     BLOCK_K values per step. fp8 bytes (weights, and nvfp4's
     scales) arrive as uint8. ONE_ROW (decode) with nvfp4: ``q_ptr`` is the weights as int32 words,
@@ -512,10 +514,10 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
         q = q.view(torch.uint8)
     _quant_gemv_kernel[(n_blocks, splits, l_blocks)](
         x, q, scale, row_scale if nvfp4 else scale, out, partial, arrivals, rows, n, k, x.stride(0), q.stride(0),
-        scale.stride(0), k_split, SPLIT=splits > 1, X_BF16=x_bf16, EVEN_K=k % block_k == 0, NVFP4=nvfp4, GROUP=group, PER_CHANNEL=kind == "fp8",
-        GROUPED=kind != "fp8" and block_k % group == 0, IEEE=dtype == torch.float32 or INTERPRETED,
-        ASM=not INTERPRETED, ONE_ROW=rows == 1, BLOCK_L=block_l, BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        scale.stride(0), k_split, SPLIT=splits > 1, X_BF16=x_bf16, EVEN_K=k % block_k == 0, NVFP4=nvfp4,
+        GROUP=group, PER_CHANNEL=kind == "fp8", GROUPED=kind != "fp8" and block_k % group == 0,
+        IEEE=dtype == torch.float32 or INTERPRETED, ASM=not INTERPRETED, ONE_ROW=rows == 1, BLOCK_L=block_l,
+        BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
