@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = kq.GemvConfig(*map(int, args.config.split(","))) if args.config else None
     launch = record(args.kind, args.n, args.k, args.rows, config)
-    text, registers, spills = sass(launch, args.arch)
+    text, registers, local_accesses = sass(launch, args.arch)
     if args.dump:
         args.dump.write_text(text)
     opcodes = loop_opcodes(text)
@@ -125,12 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(opcodes.values())
     print(f"{args.kind} {args.n}x{args.k} rows {args.rows} {tuple(used)} sm_{args.arch}: {total} loop instructions, "
           f"{weights:.0f} weights per thread, {total / weights:.2f} per weight, {registers} registers, "
-          f"{spills} local-memory accesses")
+          f"{local_accesses} local-memory accesses")
     print(", ".join(f"{op} {count}" for op, count in opcodes.most_common()))
     if args.json:
         args.json.write_text(json.dumps({"config": list(used), "instructions": total, "weights_per_thread": weights,
                                          "per_weight": total / weights, "registers": registers,
-                                         "local_memory_accesses": spills, "opcodes": dict(opcodes)}))
+                                         "local_memory_accesses": local_accesses, "opcodes": dict(opcodes)}))
     return 0
 
 
