@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -54,21 +55,25 @@ def projection_shapes(preset: str) -> list[tuple[int, int]]:
 
 
 def candidates(kind: str, bucket: int) -> list[kq.GemvConfig]:
-    """The configurations swept (splits resolved per shape by :func:`split_choices`)."""
+    """The configurations swept (programs per SM added per shape by :func:`grid_choices`). Decode's tile: 512
+    values per step (the SASS count's best, ``bench/gemv_sass.py``) and the warps, stages and rows per tile that
+    won earlier sweeps; several rows: the tile shapes tl.dot favours."""
     if bucket == 1:
-        return [kq.GemvConfig(bn, bk, w, s) for bn in (16, 32, 64) for bk in (256, 512) for w in (4, 8)
-                for s in (1, 3)] + [kq.GemvConfig(bn, 1024, 8, 1) for bn in (16, 32, 64)]
+        return [kq.GemvConfig(bn, 512, w, s) for bn in (16, 32, 64) for w in (4, 8) for s in (1, 3)]
     return [kq.GemvConfig(bn, bk, w, 3) for bn in (32, 64) for bk in (128, 256) for w in (4, 8)]
 
 
-def split_choices(config: kq.GemvConfig, n: int, k: int, rows: int, device: torch.device) -> list[kq.GemvConfig]:
-    """The configuration with one to four K slices, with the default's count (~4 programs per SM) and half of it
-    (the few-slice counts let a grid that fills the GPU a little over a whole number of times be cut finer)."""
-    programs = -(-n // config.block_n) * -(-rows // kq.rows_bucket(rows))
-    k_blocks = -(-k // config.block_k)
-    default = kq._splits(device, programs, k_blocks, 0)
-    counts = sorted({min(s, k_blocks) for s in (1, 2, 3, 4, default, max(1, default // 2))})
-    return [config._replace(splits=s) for s in counts]
+PER_SM = (1, 2, 3, 4, 6, 8)           # stream-K programs per SM swept: one wave of resident programs, at most
+
+
+def grid_choices(config: kq.GemvConfig, n: int, k: int, rows: int, device: torch.device) -> list[kq.GemvConfig]:
+    """The configuration at each :data:`PER_SM` that gives a distinct grid (small GEMVs have fewer steps than
+    programs: those counts all launch one program per step)."""
+    steps = -(-n // config.block_n) * -(-rows // kq.rows_bucket(rows)) * -(-k // config.block_k)
+    grids = {}
+    for per_sm in PER_SM:
+        grids.setdefault(kq.stream_schedule(device, steps, -(-k // config.block_k), per_sm).programs, per_sm)
+    return [config._replace(per_sm=p) for p in grids.values()]
 
 
 def make_weight(kind: str, w: torch.Tensor, generator: torch.Generator) -> quant.QuantizedWeight:
@@ -89,6 +94,17 @@ def _linears(weight: quant.QuantizedWeight):
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.isfinite(got).all()) and torch.allclose(
         got.float(), want.float(), rtol=TOLERANCE, atol=TOLERANCE * float(want.abs().max()))
+
+
+def _try(fused, x, tensors, config, want, device, repeats) -> dict:
+    """``us`` and ``correct`` of one candidate; one that does not compile on this device (too many registers or
+    too much shared memory for its tile) is recorded with its error and skipped, not the end of the sweep."""
+    try:
+        correct = _close(fused(x, *tensors, config=config), want)
+    except triton.runtime.errors.OutOfResources as error:
+        return {"us": None, "correct": False, "error": str(error)}
+    return {"us": _time_calls_us(device, lambda: fused(x, *tensors, config=config), repeats) if correct else None,
+            "correct": correct}
 
 
 def sweep(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.device, dtype: torch.dtype,
@@ -119,15 +135,12 @@ def sweep(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.de
                 device, lambda: F.linear(xr, kq.dequantize_triton(weight.q, weight.scale, weight.row_scale, dtype)),
                 repeats)})
             for base in candidates_of(kind, kq.rows_bucket(r)):
-                for config in split_choices(base, n, k, r, device):
+                for config in grid_choices(base, n, k, r, device):
                     if time.perf_counter() - started > budget_s:
                         untuned.append({"kind": kind, "N": n, "K": k, "rows": r})
                         break
-                    correct = _close(fused(xr, *tensors, config=config), want[:r])
-                    us = _time_calls_us(device, lambda: fused(xr, *tensors, config=config), repeats) if correct \
-                        else None
-                    entries.append({"kind": kind, "N": n, "K": k, "rows": r, "config": list(config), "us": us,
-                                    "correct": correct})
+                    entries.append({"kind": kind, "N": n, "K": k, "rows": r, "config": list(config),
+                                    **_try(fused, xr, tensors, config, want[:r], device, repeats)})
                 else:
                     continue
                 break
