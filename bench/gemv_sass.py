@@ -84,21 +84,23 @@ def _registers(cubin: bytes) -> int:
 
 
 def loop_opcodes(text: str) -> collections.Counter:
-    """Opcode counts of the longest innermost loop's body (the K loop; the loop over a program's tiles holds it,
-    and the tile's store and x's range are loops of their own, shorter)."""
+    """Opcode counts of the body of the longest backward branch (the K loop)."""
     lines = [(int(m.group(1), 16), line) for line in text.splitlines() if (m := _ADDRESS.search(line))]
-    loops = []    # (first, last) address of each backward branch's body
-    for here, line in lines:
-        label = re.search(r"\bBRA\b.*?`\((\.L_x_\d+)\)", line)
-        where = text.find(f"{label.group(1)}:") if label else -1
-        after = _ADDRESS.search(text, where) if where >= 0 else None
-        if after and int(after.group(1), 16) < here:
-            loops.append((int(after.group(1), 16), here))
-    innermost = [(a, b) for a, b in loops if not any(a <= c and d < b for c, d in loops if (c, d) != (a, b))]
-    first, last = max(innermost, key=lambda loop: sum(loop[0] <= address <= loop[1] for address, _ in lines),
-                      default=(1, 0))
-    return collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln).group(1)
-                               for address, ln in lines if first <= address <= last)
+    best: list[str] = []
+    for index, (here, line) in enumerate(lines):
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", line) or re.search(r"\bBRA\b\s+`\(\.L_x_(\d+)\)", line)
+        if not branch:
+            continue
+        label = re.search(r"`\((\.L_x_\d+)\)", line)
+        start = None
+        if label:
+            where = text.find(f"{label.group(1)}:")
+            after = _ADDRESS.search(text, where) if where >= 0 else None
+            start = int(after.group(1), 16) if after else None
+        if start is not None and start < here:
+            body = [ln for address, ln in lines[:index + 1] if address >= start]
+            best = body if len(body) > len(best) else best
+    return collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln).group(1) for ln in best)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("n", type=int)
     parser.add_argument("k", type=int)
     parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--config", help="block_n,block_k,warps,stages,per_sm (default: the kernels' choice on CPU)")
+    parser.add_argument("--config", help="block_n,block_k,warps,stages,splits (default: the kernels' choice on CPU)")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--dump", type=Path, help="write the whole SASS here")
     parser.add_argument("--json", type=Path, help="write the counts here")

@@ -55,25 +55,21 @@ def projection_shapes(preset: str) -> list[tuple[int, int]]:
 
 
 def candidates(kind: str, bucket: int) -> list[kq.GemvConfig]:
-    """The configurations swept (programs per SM added per shape by :func:`grid_choices`). Decode's tile: 512
-    values per step (the SASS count's best, ``bench/gemv_sass.py``) and the warps, stages and rows per tile that
-    won earlier sweeps; several rows: the tile shapes tl.dot favours."""
+    """The configurations swept (splits resolved per shape by :func:`split_choices`)."""
     if bucket == 1:
-        return [kq.GemvConfig(bn, 512, w, s) for bn in (16, 32, 64) for w in (4, 8) for s in (1, 3)]
+        return [kq.GemvConfig(bn, bk, w, s) for bn in (16, 32, 64) for bk in (256, 512) for w in (4, 8)
+                for s in (1, 3)] + [kq.GemvConfig(bn, 1024, 8, 1) for bn in (16, 32, 64)]
     return [kq.GemvConfig(bn, bk, w, 3) for bn in (32, 64) for bk in (128, 256) for w in (4, 8)]
 
 
-PER_SM = (1, 2, 3, 4, 6, 8)           # stream-K programs per SM swept: one wave of resident programs, at most
-
-
-def grid_choices(config: kq.GemvConfig, n: int, k: int, rows: int, device: torch.device) -> list[kq.GemvConfig]:
-    """The configuration at each :data:`PER_SM` that gives a distinct grid (small GEMVs have fewer steps than
-    programs: those counts all launch one program per step)."""
-    steps = -(-n // config.block_n) * -(-rows // kq.rows_bucket(rows)) * -(-k // config.block_k)
-    grids = {}
-    for per_sm in PER_SM:
-        grids.setdefault(kq.stream_schedule(device, steps, -(-k // config.block_k), per_sm).programs, per_sm)
-    return [config._replace(per_sm=p) for p in grids.values()]
+def split_choices(config: kq.GemvConfig, n: int, k: int, rows: int, device: torch.device) -> list[kq.GemvConfig]:
+    """The configuration with one to four K slices, with the default's count (~4 programs per SM) and half of it
+    (the few-slice counts let a grid that fills the GPU a little over a whole number of times be cut finer)."""
+    programs = -(-n // config.block_n) * -(-rows // kq.rows_bucket(rows))
+    k_blocks = -(-k // config.block_k)
+    default = kq._splits(device, programs, k_blocks, 0)
+    counts = sorted({min(s, k_blocks) for s in (1, 2, 3, 4, default, max(1, default // 2))})
+    return [config._replace(splits=s) for s in counts]
 
 
 def make_weight(kind: str, w: torch.Tensor, generator: torch.Generator) -> quant.QuantizedWeight:
@@ -135,7 +131,7 @@ def sweep(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.de
                 device, lambda: F.linear(xr, kq.dequantize_triton(weight.q, weight.scale, weight.row_scale, dtype)),
                 repeats)})
             for base in candidates_of(kind, kq.rows_bucket(r)):
-                for config in grid_choices(base, n, k, r, device):
+                for config in split_choices(base, n, k, r, device):
                     if time.perf_counter() - started > budget_s:
                         untuned.append({"kind": kind, "N": n, "K": k, "rows": r})
                         break

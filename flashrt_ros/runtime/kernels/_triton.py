@@ -20,9 +20,6 @@ except Exception as err:  # noqa: BLE001 - any failure (not installed, broken in
     IMPORT_ERROR = f"{type(err).__name__}: {err}"
 
 
-def jit(fn=None, **options):
-    """``triton.jit`` (with its ``options``) when Triton is importable; otherwise the plain function (never
-    launched)."""
-    if fn is None:
-        return lambda f: jit(f, **options)
-    return triton.jit(fn, **options) if triton is not None else fn
+def jit(fn):
+    """``triton.jit`` when Triton is importable; otherwise the plain function (never launched)."""
+    return triton.jit(fn) if triton is not None else fn

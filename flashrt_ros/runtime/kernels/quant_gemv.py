@@ -20,13 +20,11 @@ Several rows use ``tl.dot``, and each block of up to 64 rows re-reads the weight
 :class:`~..quant.QuantLinear` sends only pieces of up to :func:`fused_max_rows` rows here; longer pieces are
 compute-bound: :func:`dequantize_triton` writes the weights in ``x``'s dtype in one pass and cuBLAS multiplies.
 
-Every launch is stream-K (:func:`_quant_gemv_kernel`): a fixed number of programs share the tiles' K steps evenly.
-Launch configurations (tile sizes, warps, pipeline stages, programs per SM) come from the fixed table in
+Launch configurations (tile sizes, warps, pipeline stages, split-K count) come from the fixed table in
 :mod:`.quant_gemv_configs`, keyed by device name, weight kind, ``N``, ``K`` and rows bucket, written by
 ``bench/tune_quant_gemv.py`` from a sweep on that device; unseen shapes and devices get :func:`default_config`.
-The configuration and the SM count fix the K-reduction order (the shares of a tile split between programs are
-summed in program order by whichever finishes last, :func:`_sum_slices_when_last`: timing picks who sums, never
-the order), so it must be a
+The configuration fixes the K-reduction order (split-K partials are summed in slice order by whichever slice
+finishes last, :func:`_sum_slices_when_last`: timing picks who sums, never the order), so it must be a
 deterministic function of shape and device: never ``triton.autotune``, whose timing-dependent choice would let a
 capsule persisted on disk continue differently after a restart.
 """
@@ -48,18 +46,17 @@ RUN = 16                            # decode sums runs of this many products bef
 GEMV_MAX_ROWS = 256                 # the most rows the fused kernel takes (QuantLinear sends fewer: fused_max_rows)
 ROW_BUCKETS = (1, 16, 32, 64)       # rows per program (BLOCK_L); the table's rows key; more rows: more programs
 WEIGHT_KINDS = ("fp8", "fp8-block", "nvfp4")   # the table's weight key: fp8 per channel, fp8 block-scaled, nvfp4
-DEFAULT_PER_SM = 4                  # stream-K programs per SM where the configuration leaves it open
 _DEQUANT_BLOCK_N, _DEQUANT_BLOCK_K = 32, 256
 
 
 class GemvConfig(NamedTuple):
     """One launch configuration. ``block_k``: weight values per step (bytes of fp8, twice the bytes of nvfp4);
-    ``per_sm``: programs per SM of the stream-K grid (0: :data:`DEFAULT_PER_SM`)."""
+    ``splits``: K slices (0: enough for ~4 programs per SM, from the device's SM count)."""
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    per_sm: int = 0
+    splits: int = 0
 
 
 def rows_bucket(rows: int) -> int:
@@ -255,13 +252,12 @@ def _x_lanes(x_ptr, word, word_ok, x_mul, X_BF16: tl.constexpr, ASM: tl.constexp
 
 
 @jit
-def _nvfp4_words(q_ptr, wide_rows, row_ok, k0, K, stride_q, shift, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K / 8] uint32 words of codes for k0 .. k0 + BLOCK_K (none past K) of the rows
-    ``shift`` words after ``wide_rows`` (a multiple of the row stride): word j holds k = 8j .. 8j + 7, nibble
-    i = k - 8j."""
+def _nvfp4_words(q_ptr, wide_rows, row_ok, k0, k_end, stride_q, BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K / 8] uint32 words of codes for k0 .. k0 + BLOCK_K (none past k_end): word j holds
+    k = 8j .. 8j + 7, nibble i = k - 8j."""
     word = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)     # k0: a multiple of BLOCK_K
-    words = tl.load(q_ptr + wide_rows[:, None] * stride_q + (word + shift)[None, :],
-                    mask=row_ok[:, None] & ((word < K // 8) | EVEN_K)[None, :], other=0)
+    words = tl.load(q_ptr + wide_rows[:, None] * stride_q + word[None, :],
+                    mask=row_ok[:, None] & (word < k_end // 8)[None, :], other=0)
     return words.to(tl.uint32, bitcast=True)
 
 
@@ -338,122 +334,92 @@ def _fp8_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, 
     return acc + runs
 
 
-@jit(do_not_specialize=["k_blocks"])   # triton 3.6 asserts in LLVM on the tile loop with k_blocks specialised to 1
+@jit
 def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrivals_ptr, L, N, K, stride_x, stride_q,
-                       stride_s, n_tiles, k_blocks, steps, X_BF16: tl.constexpr, EVEN_K: tl.constexpr,
+                       stride_s, k_split, SPLIT: tl.constexpr, X_BF16: tl.constexpr, EVEN_K: tl.constexpr,
                        NVFP4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUPED: tl.constexpr,
                        IEEE: tl.constexpr, ASM: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Stream-K: the GEMV is ``steps`` steps of one [BLOCK_L, BLOCK_N] output tile over BLOCK_K values, numbered
-    tile after tile (x's row block slowest, then W's, then K), and program p of P takes steps p * steps // P up to
-    (p + 1) * steps // P: every program has the same work to within one step, at any shape (a grid of whole tiles
-    or K slices leaves the GPU's last wave part-empty: a 34816-row GEMV in 64-row tiles is 1.03 waves of 4 programs
-    per SM). A tile whose steps are all one program's is stored by it; a tile shared by several is summed by the
-    last of them to finish it, :func:`_sum_slices_when_last`.
+    """One [BLOCK_L, BLOCK_N] output tile over one K slice: out[l, n], or with SPLIT its slice's partial, summed
+    by :func:`_sum_slices_when_last`. Program axes: row block of W, split-K index, block of x's rows (each block
+    re-reads its weights).
 
-    Per step, BLOCK_K values; fp8 bytes (weights, and nvfp4's scales) arrive as uint8. ONE_ROW (decode) with nvfp4:
-    ``q_ptr`` is the weights as int32 words, :func:`_nvfp4_row_step`, the next step's words in flight during each
-    step. ONE_ROW with fp8: :func:`_fp8_row_step`. Several rows: x's rows are padded to BLOCK_L >= 16, the tile is
-    dequantised (nvfp4's nibbles interleaved back into k order; GROUPED: the tile holds whole scale groups, fp8 when
-    its group divides BLOCK_K) and goes through tl.dot."""
-    pid, programs = tl.program_id(0), tl.num_programs(0)
-    step = (pid.to(tl.int64) * steps // programs).to(tl.int32)
-    end = ((pid.to(tl.int64) + 1) * steps // programs).to(tl.int32)
-    x_unmul = 1.0
-    if ONE_ROW and NVFP4:   # the first step's words are in flight while x's range is found
-        rows = (step // k_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-        words = _nvfp4_words(q_ptr, rows.to(tl.int64), rows < N, (step % k_blocks) * BLOCK_K, K, stride_q, 0,
-                             EVEN_K, BLOCK_K)
-        x_exponent = _x_magnitude_exponent(x_ptr, 0, K, X_BF16, BLOCK_K)
-        x_mul = ((268 - x_exponent) << 23).to(tl.float32, bitcast=True)         # 2^(14 - p), p = x_exponent - 127
-        x_unmul = (x_exponent << 23).to(tl.float32, bitcast=True)               # 2^p
-    while step < end:       # one tile's share per pass: its steps, then the tile is stored or summed
-        tile = step // k_blocks
-        tile_end = tl.minimum((tile + 1) * k_blocks, end)
-        rows = (tile % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tokens = (tile // n_tiles) * BLOCK_L + tl.arange(0, BLOCK_L)
-        row_ok, token_ok, wide_rows = rows < N, tokens < L, rows.to(tl.int64)
-        if ONE_ROW:
-            acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)   # one sum per RUN
-        else:
-            acc = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
-        for s in range(step, tile_end):
-            k0 = (s - tile * k_blocks) * BLOCK_K
-            if ONE_ROW and NVFP4:
-                next_tile = (s + 1 == (tile + 1) * k_blocks).to(tl.int32)   # one row of x: the next tile's rows
-                rows_left = tl.where(s + 1 < end, N - next_tile * BLOCK_N, 0)                  # follow
-                ahead = _nvfp4_words(q_ptr, wide_rows, rows < rows_left, (k0 + BLOCK_K) * (1 - next_tile), K,
-                                     stride_q, next_tile * BLOCK_N * stride_q, EVEN_K, BLOCK_K)
-                acc = _nvfp4_row_step(acc, words, x_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_s, x_mul, X_BF16,
-                                      EVEN_K, ASM, BLOCK_K)
-                words = ahead
-            elif ONE_ROW:
-                acc = _fp8_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s, GROUP,
-                                    PER_CHANNEL, EVEN_K, BLOCK_K)
-            else:
-                acc = _dequantised_dot_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, tokens, token_ok, k0, K,
-                                            stride_x, stride_q, stride_s, NVFP4, GROUP, PER_CHANNEL, GROUPED, IEEE,
-                                            BLOCK_N, BLOCK_K)
-        _finish_tile(acc, out_ptr, partial_ptr, arrivals_ptr, r_ptr, s_ptr, rows, row_ok, tokens, token_ok, tile,
-                     k_blocks, steps, x_unmul, L, N, NVFP4, PER_CHANNEL, ONE_ROW, ASM)
-        step = tile_end
-
-
-@jit
-def _dequantised_dot_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, tokens, token_ok, k0, K, stride_x, stride_q,
-                          stride_s, NVFP4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                          GROUPED: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Several rows' step: acc[BLOCK_L, BLOCK_N] += x's rows times the tile's weights, dequantised in registers."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    if GROUPED:
-        group = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        s_mask = row_ok[:, None] & (group < K // GROUP)[None, :]
-        scale = tl.load(s_ptr + wide_rows[:, None] * stride_s + group[None, :], mask=s_mask, other=0)
-        if NVFP4:
-            scale = _fp8_as_f32(scale) * 16384.0
-    if NVFP4:
-        byte_index = k0 // 2 + tl.arange(0, BLOCK_K // 2)     # byte j holds k = 2j (low) and 2j + 1 (high)
-        w_mask = row_ok[:, None] & (byte_index < K // 2)[None, :]
-        packed = tl.load(q_ptr + wide_rows[:, None] * stride_q + byte_index[None, :], mask=w_mask, other=0)
-        packed = packed.to(tl.int32)
-        w = tl.reshape(tl.join(_e2m1_over_2_14(packed & 15), _e2m1_over_2_14(packed >> 4)), (BLOCK_N, BLOCK_K))
+    BLOCK_K values per step. fp8 bytes (weights, and nvfp4's
+    scales) arrive as uint8. ONE_ROW (decode) with nvfp4: ``q_ptr`` is the weights as int32 words,
+    :func:`_nvfp4_row_step`. ONE_ROW with fp8: x loads contiguously once per tile; GROUPED (the tile holds whole
+    scale groups: fp8 when its group divides BLOCK_K), each group's x * value products are summed and scaled once
+    into a [BLOCK_N, BLOCK_K / GROUP] accumulator, otherwise accumulated elementwise into [BLOCK_N, BLOCK_K]; either
+    is summed once after the loop. Several rows: x's rows are padded to BLOCK_L >= 16, the tile is dequantised
+    (nvfp4's nibbles interleaved back into k order) and goes through tl.dot."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tokens = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
+    row_ok = rows < N
+    token_ok = tokens < L
+    wide_rows = rows.to(tl.int64)
+    if ONE_ROW:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)   # one sum per RUN
     else:
-        w_mask = row_ok[:, None] & (k < K)[None, :]
-        w = _fp8_as_f32(tl.load(q_ptr + wide_rows[:, None] * stride_q + k[None, :], mask=w_mask, other=0))
-        if not PER_CHANNEL and not GROUPED:                   # per-channel scales apply when the tile is finished
-            w = w * tl.load(s_ptr + wide_rows[:, None] * stride_s + (k // GROUP)[None, :], mask=w_mask, other=0)
-    if GROUPED:
-        w = w * _widen(scale, BLOCK_N, BLOCK_K, GROUP)
-    xk = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=token_ok[:, None] & (k < K)[None, :], other=0)
-    return _dot(acc, xk, w, IEEE)
-
-
-@jit
-def _finish_tile(acc, out_ptr, partial_ptr, arrivals_ptr, r_ptr, s_ptr, rows, row_ok, tokens, token_ok, tile,
-                 k_blocks, steps, x_unmul, L, N, NVFP4: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 ONE_ROW: tl.constexpr, ASM: tl.constexpr):
-    """This program's sum over its steps of the tile, scaled (nvfp4's row scales and decode's 2^p, fp8's
-    per-channel scales): stored, or summed with the other programs' shares of the tile. The programs that share
-    the tile are those that own its first and its last step and the ones between."""
+        acc = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
+    k_begin = tl.program_id(1) * k_split
+    k_end = tl.minimum(k_begin + k_split, K)
+    if EVEN_K:
+        k_end = tl.multiple_of(k_end, BLOCK_K)
+    if ONE_ROW and NVFP4:   # the first tile's words are in flight while x's range is found
+        words = _nvfp4_words(q_ptr, wide_rows, row_ok, k_begin, k_end, stride_q, BLOCK_K)
+        x_exponent = _x_magnitude_exponent(x_ptr, k_begin, k_end, X_BF16, BLOCK_K)
+        x_mul = ((268 - x_exponent) << 23).to(tl.float32, bitcast=True)         # 2^(14 - p), p = x_exponent - 127
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if ONE_ROW and NVFP4:   # the next tile's words are in flight while this one is decoded
+            ahead = _nvfp4_words(q_ptr, wide_rows, row_ok, k0 + BLOCK_K, k_end, stride_q, BLOCK_K)
+            acc = _nvfp4_row_step(acc, words, x_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_s, x_mul, X_BF16, EVEN_K,
+                                  ASM, BLOCK_K)
+            words = ahead
+        elif ONE_ROW:
+            acc = _fp8_row_step(acc, x_ptr, q_ptr, s_ptr, wide_rows, row_ok, k0, K, stride_q, stride_s, GROUP,
+                                PER_CHANNEL, EVEN_K, BLOCK_K)
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            if GROUPED:
+                group = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                s_mask = row_ok[:, None] & (group < K // GROUP)[None, :]
+                scale = tl.load(s_ptr + wide_rows[:, None] * stride_s + group[None, :], mask=s_mask, other=0)
+                if NVFP4:
+                    scale = _fp8_as_f32(scale) * 16384.0
+            if NVFP4:
+                byte_index = k0 // 2 + tl.arange(0, BLOCK_K // 2)     # byte j holds k = 2j (low) and 2j + 1 (high)
+                w_mask = row_ok[:, None] & (byte_index < K // 2)[None, :]
+                packed = tl.load(q_ptr + wide_rows[:, None] * stride_q + byte_index[None, :], mask=w_mask, other=0)
+                packed = packed.to(tl.int32)
+                w = tl.reshape(tl.join(_e2m1_over_2_14(packed & 15), _e2m1_over_2_14(packed >> 4)),
+                               (BLOCK_N, BLOCK_K))
+            else:
+                w_mask = row_ok[:, None] & (k < K)[None, :]
+                w = _fp8_as_f32(tl.load(q_ptr + wide_rows[:, None] * stride_q + k[None, :], mask=w_mask, other=0))
+                if not PER_CHANNEL and not GROUPED:                   # per-channel scales apply after the loop
+                    w = w * tl.load(s_ptr + wide_rows[:, None] * stride_s + (k // GROUP)[None, :],
+                                    mask=w_mask, other=0)
+            if GROUPED:
+                w = w * _widen(scale, BLOCK_N, BLOCK_K, GROUP)
+            xk = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :],
+                         mask=token_ok[:, None] & (k < K)[None, :], other=0)
+            acc = _dot(acc, xk, w, IEEE)
     if ONE_ROW:
         result = tl.sum(acc, axis=1)[None, :]
     else:
         result = acc
-    if NVFP4:
+    if ONE_ROW and NVFP4:                                                        # times 2^p
+        x_unmul = (x_exponent << 23).to(tl.float32, bitcast=True)
         result = result * (tl.load(r_ptr + rows, mask=row_ok, other=0) * x_unmul)[None, :]
+    elif NVFP4:
+        result = result * tl.load(r_ptr + rows, mask=row_ok, other=0)[None, :]
     elif PER_CHANNEL:
         result = result * tl.load(s_ptr + rows, mask=row_ok, other=0)[None, :]
     at = tokens[:, None] * N + rows[None, :]
     mask = token_ok[:, None] & row_ok[None, :]
-    programs = tl.num_programs(0)
-    begin = tile.to(tl.int64) * k_blocks
-    owner_first = ((begin + 1) * programs - 1) // steps          # the program whose steps hold step `begin`
-    owner_last = ((begin + k_blocks) * programs - 1) // steps
-    if owner_first == owner_last:
-        tl.store(out_ptr + at, result.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT:
+        _sum_slices_when_last(result, out_ptr, partial_ptr, arrivals_ptr, at, mask, L * N, ASM)
     else:
-        _sum_slices_when_last(result, out_ptr, partial_ptr, arrivals_ptr, tile, tl.program_id(0) - owner_first,
-                              owner_last - owner_first + 1, at, mask, L * N, ASM)
+        tl.store(out_ptr + at, result.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
@@ -465,24 +431,24 @@ def _fence(tile, ASM: tl.constexpr):
 
 
 @jit
-def _sum_slices_when_last(result, out_ptr, partial_ptr, arrivals_ptr, tile, slot, slots, at, mask, SLICE,
-                          ASM: tl.constexpr):
-    """A tile shared by ``slots`` programs: each stores its fp32 share in its slot; the last of them to arrive (a
-    counter per tile) sums all slots in slot order, so the result does not depend on which one that is, writes it
-    in the output's dtype and resets the counter for the next launch. One kernel, where summing the shares with
-    torch would take two more (a reduction and a cast) per call.
+def _sum_slices_when_last(result, out_ptr, partial_ptr, arrivals_ptr, at, mask, SLICE, ASM: tl.constexpr):
+    """Split K: each program stores its slice's fp32 partial; the last of an output tile's slices to arrive (a
+    counter per tile) sums all of them in slice order, so the result does not depend on which one that is, writes
+    it in the output's dtype and resets the counter for the next launch. One kernel, where summing the partials
+    with torch would take two more (a reduction and a cast) per call.
 
     Ordering: every thread fences its stores before the CTA barrier, one thread counts the arrival with an
-    acquire-release atomic, and the last program fences again before it reads the shares from L2 (``.cg``: its L1
-    may hold lines of an earlier launch)."""
-    tl.store(partial_ptr + slot * SLICE + at, result, mask=mask)
+    acquire-release atomic, and the last program fences again before it reads the partials from L2 (``.cg``:
+    its L1 may hold lines of an earlier launch)."""
+    tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(partial_ptr + tl.program_id(1) * SLICE + at, result, mask=mask)
     _fence(at, ASM)
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == slots - 1:
+    if arrived == tl.num_programs(1) - 1:
         _fence(at, ASM)
         total = tl.zeros(result.shape, dtype=tl.float32)
-        for s in range(slots):
+        for s in range(tl.num_programs(1)):
             total += tl.load(partial_ptr + s * SLICE + at, mask=mask, other=0, cache_modifier=".cg")
         tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
         tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
@@ -493,37 +459,27 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-ARRIVAL_COUNTERS = 1 << 16         # output tiles a launch may have (the LM head's finest tiling: 15,520)
+ARRIVAL_COUNTERS = 1 << 16         # output tiles a split-K launch may have (the LM head's finest tiling: 15,520)
 
 
 @functools.cache
 def _arrival_tensor(device: torch.device) -> torch.Tensor:
-    """The arrival counters of this device, all zero between launches (the last program of a tile resets its
-    own). Launches on one stream never overlap, so they can share them; made on first use, which is a warm-up run
-    and never a CUDA-graph capture (GraphRunner runs every step once before recording it)."""
+    """The split-K arrival counters of this device, all zero between launches (the last program resets its own).
+    Launches on one stream never overlap, so they can share them; made on first use, which is a warm-up run and
+    never a CUDA-graph capture (GraphRunner runs every step once before recording it)."""
     return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
 
 
 def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     if tiles > ARRIVAL_COUNTERS:
-        raise ValueError(f"a GEMV launch of {tiles} output tiles exceeds the {ARRIVAL_COUNTERS} counters")
+        raise ValueError(f"a split-K launch of {tiles} output tiles exceeds the {ARRIVAL_COUNTERS} counters")
     return _arrival_tensor(device)
 
 
-class StreamSchedule(NamedTuple):
-    """How one launch spreads its ``steps`` (tiles x K blocks) over ``programs``; ``slots``: the most programs
-    any one tile is shared by (partial sums kept per tile)."""
-    programs: int
-    slots: int
-
-
-def stream_schedule(device: torch.device, steps: int, k_blocks: int, per_sm: int) -> StreamSchedule:
-    """``per_sm`` (0: :data:`DEFAULT_PER_SM`) programs per SM, at most one per step. Every program holds at least
-    ``least = steps // programs`` steps, so the tile's ``k_blocks`` steps meet at most
-    ``(k_blocks - 2) // least + 2`` programs (one step of the tile in the first, one in the last)."""
-    programs = max(1, min(steps, (per_sm or DEFAULT_PER_SM) * _sm_count(device)))
-    slots = 1 if k_blocks == 1 else min(programs, (k_blocks - 2) // (steps // programs) + 2)
-    return StreamSchedule(programs, slots)
+def _splits(device: torch.device, programs: int, k_blocks: int, splits: int) -> int:
+    """``splits`` (0: split K until there are ~4 programs per SM), never more than one per K block."""
+    wanted = splits or -(-4 * _sm_count(device) // programs)
+    return max(1, min(k_blocks, wanted))
 
 
 def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor | None,
@@ -542,13 +498,13 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
         raise ValueError(f"tiles hold whole {RUN}-value runs, got block_k {block_k}")
     if group % RUN:
         raise ValueError(f"scale groups span a multiple of {RUN} values, got {group}")
-    n_tiles, k_blocks, l_blocks = triton.cdiv(n, config.block_n), triton.cdiv(k, block_k), triton.cdiv(rows, block_l)
-    steps = l_blocks * n_tiles * k_blocks
-    schedule = stream_schedule(x.device, steps, k_blocks, config.per_sm)
+    n_blocks, k_blocks, l_blocks = triton.cdiv(n, config.block_n), triton.cdiv(k, block_k), triton.cdiv(rows, block_l)
+    splits = _splits(x.device, n_blocks * l_blocks, k_blocks, config.splits)
+    k_split = triton.cdiv(k_blocks, splits) * block_k
+    splits = triton.cdiv(k, k_split)
     out = torch.empty((rows, n), device=x.device, dtype=dtype)
-    partial = torch.empty((schedule.slots, rows, n), device=x.device, dtype=torch.float32) if schedule.slots > 1 \
-        else out
-    arrivals = _arrival_counters(x.device, l_blocks * n_tiles)
+    partial = torch.empty((splits, rows, n), device=x.device, dtype=torch.float32) if splits > 1 else out
+    arrivals = _arrival_counters(x.device, n_blocks * l_blocks)
     x_bf16 = dtype == torch.bfloat16
     if nvfp4:   # decode reads the packed codes as 32-bit words (K is a multiple of 16), fp8 scales as bytes
         q, scale = (q.view(torch.int32) if rows == 1 else q), scale.view(torch.uint8)
@@ -556,9 +512,9 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
             x = x.view(torch.int32)                                   # bf16 pairs (see _x_lanes)
     else:
         q = q.view(torch.uint8)
-    _quant_gemv_kernel[(schedule.programs,)](
+    _quant_gemv_kernel[(n_blocks, splits, l_blocks)](
         x, q, scale, row_scale if nvfp4 else scale, out, partial, arrivals, rows, n, k, x.stride(0), q.stride(0),
-        scale.stride(0), n_tiles, k_blocks, steps, X_BF16=x_bf16, EVEN_K=k % block_k == 0, NVFP4=nvfp4,
+        scale.stride(0), k_split, SPLIT=splits > 1, X_BF16=x_bf16, EVEN_K=k % block_k == 0, NVFP4=nvfp4,
         GROUP=group, PER_CHANNEL=kind == "fp8", GROUPED=kind != "fp8" and block_k % group == 0,
         IEEE=dtype == torch.float32 or INTERPRETED, ASM=not INTERPRETED, ONE_ROW=rows == 1, BLOCK_L=block_l,
         BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
