@@ -171,3 +171,54 @@ def test_fused_kernels_in_bf16_are_as_accurate_as_the_reference_kernels():
     print(report)
     assert errors["triton"] <= DRIFT_RATIO * errors["reference"] + DRIFT_FLOOR, report
     assert flipped == 0, report
+
+
+@pytest.mark.parametrize("weights_format", ["dense", "fp8", "nvfp4"])
+def test_programmatic_dependent_launch_changes_no_byte(monkeypatch, weights_format):
+    """The fused kernels with PDL (the default on sm_90+) and without (FLASHRT_PDL=0), in CUDA graphs: the same
+    tokens and live-state bytes, in every weights format."""
+    from flashrt_ros.runtime.kernels._triton import PDL_SWITCH
+    prompt = prompt_tokens(512, 157, "gpu-pdl")
+    runs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv(PDL_SWITCH, switch)
+        engine = Engine(EngineConfig(device="cuda", dtype="bfloat16", max_context=512, cuda_graphs=True,
+                                     kernels="triton", weights_format=weights_format))
+        runs.append(_run(engine, prompt, 40))
+    assert runs[0][0] == runs[1][0]
+    assert torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_chained_prefetching_gemvs_in_a_graph_equal_plain_launches(monkeypatch, fmt):
+    """Decode GEMVs at a 27B-like shape, each reading the one before's output, captured in one CUDA graph: with PDL
+    each prefetches its weights into L2 and starts before the one before ends; the outputs equal those of plain
+    launches bit for bit, graph after graph."""
+    from flashrt_ros.runtime import quant
+    from flashrt_ros.runtime.kernels import quant_gemv as kq
+    from flashrt_ros.runtime.kernels._triton import PDL_SWITCH
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    weights = [quant.QUANTIZERS[fmt](torch.randn(5120, 5120, device="cuda", generator=gen) * 0.02) for _ in range(4)]
+    linear = kq.fp8_linear_triton if fmt == "fp8" else kq.nvfp4_linear_triton
+    x = torch.randn(1, 5120, device="cuda", generator=gen).bfloat16()
+
+    def chain():
+        y = x
+        for w in weights:
+            y = linear(y, *w.tensors().values())
+        return y
+
+    outputs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(PDL_SWITCH, switch)
+        chain()                                             # compile, fill the split-K counters, outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        replays = []
+        for _ in range(3):
+            graph.replay()
+            replays.append(out.clone())
+        outputs[switch] = replays
+    assert all(torch.equal(r, outputs["0"][0]) for r in outputs["1"] + outputs["0"])
+    assert torch.equal(outputs["0"][0], chain())

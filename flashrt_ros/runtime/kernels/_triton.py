@@ -5,7 +5,10 @@ tensors through Triton's interpreter (slowly, for correctness only).
 """
 from __future__ import annotations
 
+import functools
 import os
+
+import torch
 
 # Triton builds a kernel for its interpreter or for the compiler when the kernel is decorated (at import), so flags
 # that pick interpreter workarounds are read here, once, at the same moment.
@@ -23,3 +26,42 @@ except Exception as err:  # noqa: BLE001 - any failure (not installed, broken in
 def jit(fn):
     """``triton.jit`` when Triton is importable; otherwise the plain function (never launched)."""
     return triton.jit(fn) if triton is not None else fn
+
+
+if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+else:
+    gdc_launch_dependents = gdc_wait = None
+
+PDL_SWITCH = "FLASHRT_PDL"          # "0" turns programmatic dependent launch off (for A/B benchmarks and bisecting)
+
+
+@functools.cache
+def _device_has_pdl(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _pdl_on(device: torch.device) -> bool:
+    return not INTERPRETED and os.environ.get(PDL_SWITCH) != "0" and _device_has_pdl(device)
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The launch options of every runtime kernel: ``PDL`` (the kernel's constexpr) and Triton's ``launch_pdl``.
+
+    Programmatic dependent launch (sm_90+): a kernel may start while the one before it on the stream still runs.
+    Each kernel lets the next one launch as soon as it starts and waits for the one before it to finish
+    (:func:`wait_for_inputs`) before it touches anything an earlier kernel writes, so the order of results is that
+    of plain launches while launch latency, and the decode GEMVs' first weight loads, overlap the kernel before.
+    CUDA graphs keep the dependency (stream capture turns it into a programmatic edge)."""
+    on = _pdl_on(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """With PDL: let the next kernel launch (its programs wait for this one in their own call), then wait until the
+    kernel before this one has finished and its writes are visible. Call before the first load of anything an
+    earlier kernel writes (weights, written once at load, may be read before)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
