@@ -23,7 +23,7 @@ too (a new kernel must be added here).
 Each distinct compile is reported as ``cubin`` (all stages), ``ptx only`` (the frontend built PTX, ptxas refused it:
 the message says why) or ``FAILED`` (the frontend itself failed). Exit status 1 when anything is not ``cubin`` or a
 kernel was never launched. Each result also says whether its PTX waits for the kernel before it
-(``griddepcontrol.wait``: programmatic dependent launch) and whether it prefetches weights into L2.
+(``griddepcontrol.wait``: programmatic dependent launch).
 Triton's cache is a fresh temporary directory, so nothing is taken from an earlier run.
 """
 from __future__ import annotations
@@ -230,8 +230,7 @@ def compile_all(launches: list[Launch], arch: int) -> list[dict]:
         result = {"kernel": launch.kernel.__name__, "arch": f"sm_{arch}", "status": status,
                   "constexprs": _describe(launch.kernel, constexprs), "first_launch": launch.origin,
                   "launches": 1, "seconds": round(time.perf_counter() - started, 2), "error": error,
-                  "waits_for_inputs": "griddepcontrol.wait" in ptx,
-                  "prefetches_to_l2": "cp.async.bulk.prefetch.L2" in ptx}
+                  "waits_for_inputs": "griddepcontrol.wait" in ptx}
         seen[key] = result
         results.append(result)
         mark = "ok  " if status == "cubin" else "FAIL"

@@ -45,7 +45,7 @@ for phase in "$@"; do
       ;;
     pdl-tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/test_runtime_gpu.py \
-          -k "programmatic or prefetching" > "$OUT/pdl_pytest.log" 2>&1; echo "pytest rc=$?"
+          -k "programmatic or early_launched" > "$OUT/pdl_pytest.log" 2>&1; echo "pytest rc=$?"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pdl_pytest.log" | tail -15
       ;;
     quant)

@@ -190,9 +190,9 @@ def test_programmatic_dependent_launch_changes_no_byte(monkeypatch, weights_form
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_chained_prefetching_gemvs_in_a_graph_equal_plain_launches(monkeypatch, fmt):
+def test_chained_early_launched_gemvs_in_a_graph_equal_plain_launches(monkeypatch, fmt):
     """Decode GEMVs at a 27B-like shape, each reading the one before's output, captured in one CUDA graph: with PDL
-    each prefetches its weights into L2 and starts before the one before ends; the outputs equal those of plain
+    each launches, and loads its first weights, before the one before ends; the outputs equal those of plain
     launches bit for bit, graph after graph."""
     from flashrt_ros.runtime import quant
     from flashrt_ros.runtime.kernels import quant_gemv as kq

@@ -331,24 +331,6 @@ def test_triton_gemv_is_deterministic_and_rows_do_not_interact():
     assert torch.equal(full[2], kq.nvfp4_linear_triton(other, *args)[2])
 
 
-@pytest.mark.parametrize("fmt,k,k_split,offset,prefetchable", [
-    ("nvfp4", 5120, 512, 0, True), ("nvfp4", 5120, 384, 0, False),    # slice not whole 16-byte runs of scales
-    ("nvfp4", 640, 640, 0, False), ("nvfp4", 5120, 512, 4, False),    # K likewise; a row stride off 16 bytes
-    ("fp8", 5120, 512, 0, True), ("fp8", 1040, 1040, 0, True), ("fp8", 1032, 1032, 0, False),
-    ("fp8", 5120, 512, 1, False)])                                     # a start off 16 bytes
-def test_decode_gemvs_prefetch_only_whole_aligned_16_byte_runs(fmt, k, k_split, offset, prefetchable):
-    """cp.async.bulk.prefetch.L2 needs a 16-byte aligned start and a size in 16-byte units; a launch that cannot
-    give both reads its weights without the prefetch (``offset``: the codes start ``offset`` bytes into storage,
-    or for nvfp4 their rows are ``offset`` bytes longer than the codes)."""
-    if fmt == "nvfp4":
-        codes = torch.empty(8, k // 2 + offset, dtype=torch.uint8)[:, :k // 2].view(torch.int32)
-        tensors = (codes, torch.empty(8, k // 16, dtype=torch.uint8))
-    else:
-        tensors = (torch.empty(8 * k + 16, dtype=torch.uint8)[offset:offset + 8 * k].view(8, k),
-                   torch.empty(8, 1))
-    assert kq._prefetchable(*tensors, fmt == "nvfp4", k, k_split) is prefetchable
-
-
 @needs_triton
 def test_the_fused_gemv_refuses_more_rows_than_it_serves():
     weight = quant.quantize_fp8(torch.randn(8, 256))

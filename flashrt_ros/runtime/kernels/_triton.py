@@ -17,9 +17,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     IMPORT_ERROR = ""
 except Exception as err:  # noqa: BLE001 - any failure (not installed, broken install) means "not available"
-    triton = tl = None
+    triton = tl = gdc_launch_dependents = gdc_wait = None
     IMPORT_ERROR = f"{type(err).__name__}: {err}"
 
 
@@ -27,11 +28,6 @@ def jit(fn):
     """``triton.jit`` when Triton is importable; otherwise the plain function (never launched)."""
     return triton.jit(fn) if triton is not None else fn
 
-
-if triton is not None:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-else:
-    gdc_launch_dependents = gdc_wait = None
 
 PDL_SWITCH = "FLASHRT_PDL"          # "0" turns programmatic dependent launch off (for A/B benchmarks and bisecting)
 
@@ -48,20 +44,23 @@ def _pdl_on(device: torch.device) -> bool:
 def pdl_launch(device: torch.device) -> dict:
     """The launch options of every runtime kernel: ``PDL`` (the kernel's constexpr) and Triton's ``launch_pdl``.
 
-    Programmatic dependent launch (sm_90+): a kernel may start while the one before it on the stream still runs.
-    Each kernel lets the next one launch as soon as it starts and waits for the one before it to finish
-    (:func:`wait_for_inputs`) before it touches anything an earlier kernel writes, so the order of results is that
-    of plain launches while launch latency, and the decode GEMVs' first weight loads, overlap the kernel before.
-    CUDA graphs keep the dependency (stream capture turns it into a programmatic edge)."""
+    Programmatic dependent launch (sm_90+): a kernel may be launched while the one before it on the stream still
+    runs, and waits in :func:`wait_for_inputs` until that one has finished, so results are those of plain launches
+    while a kernel's launch, and a decode GEMV's first weight loads, overlap the kernel before. CUDA graphs keep the
+    dependency (stream capture turns it into a programmatic edge)."""
     on = _pdl_on(device)
     return {"PDL": on, "launch_pdl": on}
 
 
 @jit
 def wait_for_inputs(PDL: tl.constexpr):
-    """With PDL: let the next kernel launch (its programs wait for this one in their own call), then wait until the
-    kernel before this one has finished and its writes are visible. Call before the first load of anything an
-    earlier kernel writes (weights, written once at load, may be read before)."""
+    """With PDL: wait until the kernel before this one has finished and its writes are visible, then let the next
+    kernel launch. Call before the first load of anything an earlier kernel writes (weights, written once at load,
+    may be read before).
+
+    Waiting first bounds the overlap to one kernel: were the next one let in at once, a small kernel would let a
+    GEMV launch while the GEMV before it still runs, and the new GEMV's programs would pile onto the SMs that free
+    up first instead of spreading evenly over all of them."""
     if PDL:
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()

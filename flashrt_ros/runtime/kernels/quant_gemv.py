@@ -339,7 +339,7 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrival
                        stride_s, k_split, SPLIT: tl.constexpr, X_BF16: tl.constexpr, EVEN_K: tl.constexpr,
                        NVFP4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUPED: tl.constexpr,
                        IEEE: tl.constexpr, ASM: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_L, BLOCK_N] output tile over one K slice: out[l, n], or with SPLIT its slice's partial, summed
     by :func:`_sum_slices_when_last`. Program axes: row block of W, split-K index, block of x's rows (each block
     re-reads its weights).
@@ -352,8 +352,7 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrival
     is summed once after the loop. Several rows: x's rows are padded to BLOCK_L >= 16, the tile is dequantised
     (nvfp4's nibbles interleaved back into k order) and goes through tl.dot.
 
-    Under PDL only weights are read before :func:`wait_for_inputs`: with PREFETCH, the program's whole K slice of
-    its rows is requested into L2 (:func:`_prefetch_slice_to_l2`), and decode's first words of nvfp4 codes load, while
+    Under PDL only weights are read before :func:`wait_for_inputs`: decode's first words of nvfp4 codes load while
     the kernel before still runs."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -368,8 +367,6 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrival
     k_end = tl.minimum(k_begin + k_split, K)
     if EVEN_K:
         k_end = tl.multiple_of(k_end, BLOCK_K)
-    if PREFETCH:
-        _prefetch_slice_to_l2(q_ptr, s_ptr, rows, N, k_begin, k_end, stride_q, stride_s, NVFP4)
     if ONE_ROW and NVFP4:   # the first tile's words are in flight while x's range is found
         words = _nvfp4_words(q_ptr, wide_rows, row_ok, k_begin, k_end, stride_q, BLOCK_K)
     wait_for_inputs(PDL)
@@ -428,28 +425,6 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrival
         _sum_slices_when_last(result, out_ptr, partial_ptr, arrivals_ptr, at, mask, L * N, ASM)
     else:
         tl.store(out_ptr + at, result.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@jit
-def _bulk_prefetch_l2(starts, nbytes):
-    """``cp.async.bulk.prefetch.L2`` of ``nbytes`` (a multiple of 16) from each 16-byte aligned address in
-    ``starts``: one instruction per row and no registers held, so a program's whole slice is requested while it
-    waits (sm_90+)."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0;", "=r,l,r",
-                              [starts.to(tl.int64), tl.zeros(starts.shape, dtype=tl.int32) + nbytes],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@jit
-def _prefetch_slice_to_l2(q_ptr, s_ptr, rows, N, k_begin, k_end, stride_q, stride_s, NVFP4: tl.constexpr):
-    """Decode's K slice [k_begin, k_end) of ``rows`` into L2: nvfp4's codes (``q_ptr`` as int32 words) and block
-    scales, or fp8's bytes (its per-channel or block scales are small); rows past N request row N - 1 again."""
-    wide_rows = tl.minimum(rows, N - 1).to(tl.int64)
-    if NVFP4:
-        _bulk_prefetch_l2(q_ptr + wide_rows * stride_q + k_begin // 8, (k_end - k_begin) // 2)
-        _bulk_prefetch_l2(s_ptr + wide_rows * stride_s + k_begin // 16, (k_end - k_begin) // 16)
-    else:
-        _bulk_prefetch_l2(q_ptr + wide_rows * stride_q + k_begin, k_end - k_begin)
 
 
 @jit
@@ -542,25 +517,14 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
             x = x.view(torch.int32)                                   # bf16 pairs (see _x_lanes)
     else:
         q = q.view(torch.uint8)
-    launch = pdl_launch(x.device)
-    prefetch = launch["PDL"] and rows == 1 and _prefetchable(q, scale, nvfp4, k, k_split)
     _quant_gemv_kernel[(n_blocks, splits, l_blocks)](
         x, q, scale, row_scale if nvfp4 else scale, out, partial, arrivals, rows, n, k, x.stride(0), q.stride(0),
         scale.stride(0), k_split, SPLIT=splits > 1, X_BF16=x_bf16, EVEN_K=k % block_k == 0, NVFP4=nvfp4,
         GROUP=group, PER_CHANNEL=kind == "fp8", GROUPED=kind != "fp8" and block_k % group == 0,
         IEEE=dtype == torch.float32 or INTERPRETED, ASM=not INTERPRETED, ONE_ROW=rows == 1, BLOCK_L=block_l,
-        BLOCK_N=config.block_n, BLOCK_K=block_k, PREFETCH=prefetch, num_warps=config.num_warps,
-        num_stages=config.num_stages, **launch)
+        BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch(x.device))
     return out
-
-
-def _prefetchable(q: torch.Tensor, scale: torch.Tensor, nvfp4: bool, k: int, k_split: int) -> bool:
-    """Whether every bulk L2 prefetch of :func:`_prefetch_slice_to_l2` starts 16-byte aligned and spans a multiple
-    of 16 bytes: K and the K slice in whole 16-byte runs of codes and, for nvfp4, of block scales."""
-    values_per_run = 16 * NVFP4_GROUP if nvfp4 else 16          # nvfp4: 16 scale bytes cover 256 values (128 code bytes)
-    tensors = (q, scale) if nvfp4 else (q,)
-    return (k % values_per_run == 0 and k_split % values_per_run == 0
-            and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in tensors))
 
 
 def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
