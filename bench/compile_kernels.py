@@ -22,8 +22,7 @@ too (a new kernel must be added here).
 
 Each distinct compile is reported as ``cubin`` (all stages), ``ptx only`` (the frontend built PTX, ptxas refused it:
 the message says why) or ``FAILED`` (the frontend itself failed). Exit status 1 when anything is not ``cubin`` or a
-kernel was never launched. Each result also says whether its PTX waits for the kernel before it
-(``griddepcontrol.wait``: programmatic dependent launch).
+kernel was never launched.
 Triton's cache is a fresh temporary directory, so nothing is taken from an earlier run.
 """
 from __future__ import annotations
@@ -54,8 +53,8 @@ from flashrt_ros.runtime import kernels as kernel_sets  # noqa: E402
 from flashrt_ros.runtime.arena import Arena, buffer_specs  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.engine import _MIN_KV_BUCKET, EngineConfig  # noqa: E402
-from flashrt_ros.runtime.kernels import (_triton, activations, attention, conv, delta_rule, norms,  # noqa: E402
-                                         quant_gemv, rope)
+from flashrt_ros.runtime.kernels import (activations, attention, conv, delta_rule, norms, quant_gemv,  # noqa: E402
+                                         rope)
 from flashrt_ros.runtime.model import PIECE_BUCKET, SMALL_PIECE, Qwen35  # noqa: E402
 
 KERNEL_MODULES = (activations, attention, conv, delta_rule, norms, quant_gemv, rope)
@@ -88,9 +87,7 @@ class _Recorder:
     @contextmanager
     def recording(self):
         """Kernel wrappers accept CPU tensors only where TRITON_INTERPRET=1 (read at call time); set it only here.
-        The kernels themselves were built as compiled kernels at import (Triton decides that at decoration).
-        Launches are recorded as on a device with programmatic dependent launch (sm_90+, every target compiled
-        here), which the CPU tensors' device would turn off; FLASHRT_PDL=0 turns it off here as on a GPU."""
+        The kernels themselves were built as compiled kernels at import (Triton decides that at decoration)."""
         def recorder(kernel):
             def run(*args, grid, warmup, **kwargs):
                 self.launches.append(Launch(kernel, args, kwargs, self.origin))
@@ -98,11 +95,9 @@ class _Recorder:
         for kernel in self.kernels:
             kernel.run = recorder(kernel)
         os.environ["TRITON_INTERPRET"] = "1"
-        pdl_on, _triton._pdl_on = _triton._pdl_on, lambda device: os.environ.get(_triton.PDL_SWITCH) != "0"
         try:
             yield
         finally:
-            _triton._pdl_on = pdl_on
             del os.environ["TRITON_INTERPRET"]
             for kernel in self.kernels:
                 del kernel.run
@@ -222,15 +217,14 @@ def compile_all(launches: list[Launch], arch: int) -> list[dict]:
         try:
             compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
                                       options=options.__dict__)
-            status, error, ptx = ("cubin" if "cubin" in compiled.asm else "ptx only"), "", compiled.asm["ptx"]
+            status, error = ("cubin" if "cubin" in compiled.asm else "ptx only"), ""
         except Exception as err:  # noqa: BLE001 - every failure is reported, none stops the run
             text = str(err).strip()
             status = "ptx only" if type(err).__name__ == "PTXASError" else "FAILED"
-            error, ptx = f"{type(err).__name__}: {text}", ""
+            error = f"{type(err).__name__}: {text}"
         result = {"kernel": launch.kernel.__name__, "arch": f"sm_{arch}", "status": status,
                   "constexprs": _describe(launch.kernel, constexprs), "first_launch": launch.origin,
-                  "launches": 1, "seconds": round(time.perf_counter() - started, 2), "error": error,
-                  "waits_for_inputs": "griddepcontrol.wait" in ptx}
+                  "launches": 1, "seconds": round(time.perf_counter() - started, 2), "error": error}
         seen[key] = result
         results.append(result)
         mark = "ok  " if status == "cubin" else "FAIL"

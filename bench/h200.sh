@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# capsules | pdl-tests; quant-tune takes TUNE_ARGS, quant QUANT_PRESETS and QUANT_PDL (the FLASHRT_PDL values to run,
-# one after the other: "1 0" is an A/B of programmatic dependent launch), profile PROFILE_PRESET, PROFILE_FORMAT,
-# PROFILE_CONTEXTS)
+# capsules; quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS)
 # Every phase keeps its whole log under $OUT (the device tool returns only the output's tail).
 # The wheels in .whl (transformers 5.24.0, fla-core 0.6.0: what the machine lacks) are installed first.
 set -uo pipefail
@@ -43,21 +41,12 @@ for phase in "$@"; do
           > "$OUT/quant_pytest.log" 2>&1; echo "pytest rc=$?"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/quant_pytest.log" | tail -15
       ;;
-    pdl-tests)
-      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/test_runtime_gpu.py \
-          -k "programmatic or early_launched" > "$OUT/pdl_pytest.log" 2>&1; echo "pytest rc=$?"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pdl_pytest.log" | tail -15
-      ;;
     quant)
       for preset in ${QUANT_PRESETS:-qwen3.5-0.8b qwen3.6-27b}; do
-        for pdl in ${QUANT_PDL:-1}; do
-          run="${preset}_pdl$pdl"
-          FLASHRT_PDL=$pdl timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.runtime bench-quant --model $preset \
-              --device cuda --dtype bfloat16 --formats dense,fp8,nvfp4 --context 2048 --decode-tokens 64 \
-              --prefill-tokens 2048 --fidelity-tokens 32 --repeats 3 --out "$OUT/bench_quant_$run.json" \
-              > "$OUT/bench_quant_$run.log" 2>&1
-          echo "bench-quant $run rc=$?"; grep -v -i warn "$OUT/bench_quant_$run.log" | tail -12
-        done
+        timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.runtime bench-quant --model $preset --device cuda --dtype bfloat16 \
+            --formats dense,fp8,nvfp4 --context 2048 --decode-tokens 64 --prefill-tokens 2048 --fidelity-tokens 32 \
+            --repeats 3 --out "$OUT/bench_quant_$preset.json" > "$OUT/bench_quant_$preset.log" 2>&1
+        echo "bench-quant $preset rc=$?"; grep -v -i warn "$OUT/bench_quant_$preset.log" | tail -12
       done
       ;;
     profile)

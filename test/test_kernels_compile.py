@@ -34,9 +34,6 @@ def test_every_kernel_compiles_to_a_cubin_for_sm90_at_the_engines_launches(tmp_p
     assert all(r["status"] == "cubin" and r["arch"] == "sm_90" for r in report["results"])
     gemv = [r for r in report["results"] if r["kernel"] == "_quant_gemv_kernel"]
     assert {"ONE_ROW=True" in r["constexprs"] for r in gemv} == {True, False}     # decode and the tl.dot path
-    # Programmatic dependent launch: every kernel waits for the one before (and was compiled with PDL on).
-    assert all(r["waits_for_inputs"] and "PDL=True" in r["constexprs"] for r in report["results"]), \
-        [r["kernel"] for r in report["results"] if not r["waits_for_inputs"]]
 
 
 SASS_SCRIPT = SCRIPT.parent / "gemv_sass.py"

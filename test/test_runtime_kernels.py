@@ -246,20 +246,3 @@ def test_checksum_is_order_sensitive():
     assert checksum(swapped_words.view(torch.uint8)) != original
     assert checksum(data.flip(0)) != original
     assert checksum(data.roll(4)) != original
-
-
-def test_programmatic_dependent_launch_is_on_for_sm90_devices_unless_switched_off(monkeypatch):
-    """PDL (every Triton kernel's PDL constexpr and launch_pdl) is off under the interpreter, on CPU tensors and
-    where FLASHRT_PDL=0; on (both together) for a compiled launch on an sm_90+ device."""
-    from flashrt_ros.runtime.kernels import _triton
-    cpu = torch.device("cpu")
-    assert _triton.pdl_launch(cpu) == {"PDL": False, "launch_pdl": False}
-    monkeypatch.setattr(_triton, "INTERPRETED", False)
-    assert _triton.pdl_launch(cpu) == {"PDL": False, "launch_pdl": False}
-    monkeypatch.setattr(_triton, "_device_has_pdl", lambda device: True)
-    assert _triton.pdl_launch(cpu) == {"PDL": True, "launch_pdl": True}
-    monkeypatch.setenv(_triton.PDL_SWITCH, "0")
-    assert _triton.pdl_launch(cpu) == {"PDL": False, "launch_pdl": False}
-    monkeypatch.setattr(_triton, "INTERPRETED", True)
-    monkeypatch.delenv(_triton.PDL_SWITCH)
-    assert _triton.pdl_launch(cpu) == {"PDL": False, "launch_pdl": False}

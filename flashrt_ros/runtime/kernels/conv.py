@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ._layout import require, require_count, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import jit, pdl_launch, tl, triton, wait_for_inputs
+from ._triton import jit, tl, triton
 
 _BLOCK_C = 128       # channels per program, contiguous in memory (coalesced)
 _BLOCK_L = 32        # output rows per program in a prefill; a piece of at most this many rows is one launch
@@ -56,10 +56,9 @@ def _conv_state_update(x_ptr, x_row, state_ptr, count_ptr, L, cols, col_mask, C,
 @jit
 def _conv_kernel(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, count_ptr, L, C, K: tl.constexpr,
                  K_POW2: tl.constexpr, HAS_COUNT: tl.constexpr, UPDATE_STATE: tl.constexpr,
-                 BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
     """Output rows [pid0 * BLOCK_L, +BLOCK_L) x channels [pid1 * BLOCK_C, +BLOCK_C). With UPDATE_STATE (only when one
     program covers all rows of its channels) it also writes the new state, after all its reads."""
-    wait_for_inputs(PDL)
     t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
@@ -81,8 +80,7 @@ def _conv_kernel(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, count_ptr, L, C
 
 @jit
 def _conv_state_kernel(x_ptr, x_row, state_ptr, count_ptr, L, C, K: tl.constexpr, K_POW2: tl.constexpr,
-                       HAS_COUNT: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-    wait_for_inputs(PDL)
+                       HAS_COUNT: tl.constexpr, BLOCK_C: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     _conv_state_update(x_ptr, x_row, state_ptr, count_ptr, L, cols, cols < C, C, K, K_POW2, HAS_COUNT)
 
@@ -112,8 +110,7 @@ def causal_conv_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tenso
     row_blocks, col_blocks = triton.cdiv(length, block_l), triton.cdiv(channels, _BLOCK_C)
     fused = row_blocks == 1
     count_arg = x if count is None else count      # not read without HAS_COUNT
-    shape = dict(K=kernel, K_POW2=triton.next_power_of_2(kernel - 1), HAS_COUNT=count is not None,
-                 **pdl_launch(x.device))
+    shape = dict(K=kernel, K_POW2=triton.next_power_of_2(kernel - 1), HAS_COUNT=count is not None)
     _conv_kernel[(row_blocks, col_blocks)](x, x.stride(0), state, weight, weight.stride(0), out, count_arg, length,
                                            channels, UPDATE_STATE=fused, BLOCK_L=block_l, BLOCK_C=_BLOCK_C,
                                            num_warps=4, **shape)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ._layout import require, require_count, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import jit, pdl_launch, tl, triton, wait_for_inputs
+from ._triton import jit, tl, triton
 from .norms import l2norm
 
 try:  # optional production kernels (pure Python + Triton); parity-tested against the reference below
@@ -167,10 +167,9 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
                              a_ptr, a_row, a_head, b_ptr, b_row, b_head, a_log_ptr, dt_bias_ptr,
                              s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, length, dk, dv, scale, eps,
                              GROUPS: tl.constexpr, HAS_COUNT: tl.constexpr,
-                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per (value head, block of BLOCK_V value columns): the [dk, BLOCK_V] fp32 state block stays in
     registers over all real rows (read once, written once); padding rows only get zero outputs."""
-    wait_for_inputs(PDL)
     head = tl.program_id(0)
     key_head = head // GROUPS
     keys = tl.arange(0, BLOCK_K)
@@ -247,6 +246,5 @@ def gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor,
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), A_log, dt_bias,
         state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count, length, dk, dv,
         dk ** -0.5, 1e-6, GROUPS=v_heads // k_heads, HAS_COUNT=count is not None,
-        BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4 if block_k * block_v <= 2048 else 8,  # no spills at dk 128
-        **pdl_launch(q.device))
+        BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4 if block_k * block_v <= 2048 else 8)  # no spills at dk 128
     return out

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ._layout import num_warps_for, require, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import jit, pdl_launch, tl, triton, wait_for_inputs
+from ._triton import jit, tl, triton
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,9 +42,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 @jit
 def _rms_norm_kernel(x_ptr, x_row, res_ptr, res_row, scale_ptr, out_ptr, sum_ptr, D, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
     """One row per program: optionally summed = residual + x (rounded, stored), then out = rms_norm(summed)."""
-    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -72,7 +71,7 @@ def _launch_rms_norm(x, residual, scale, eps, out, summed) -> None:
     res = x if residual is None else residual
     _rms_norm_kernel[(x.shape[0],)](x, x.stride(0), res, res.stride(0), scale, out, out if summed is None else summed,
                                     x.shape[1], eps, HAS_RESIDUAL=residual is not None, BLOCK_D=block,
-                                    num_warps=num_warps_for(block), **pdl_launch(x.device))
+                                    num_warps=num_warps_for(block))
 
 
 def rms_norm_triton(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,9 +98,8 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Te
 
 @jit
 def _gated_rms_norm_kernel(x_ptr, x_row, x_head, g_ptr, g_row, g_head, w_ptr, out_ptr, H, D, eps,
-                           BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_D: tl.constexpr):
     """One (row, head) per program, in the reference's rounding order."""
-    wait_for_inputs(PDL)
     pid = tl.program_id(0).to(tl.int64)
     row, head = pid // H, pid % H
     cols = tl.arange(0, BLOCK_D)
@@ -131,5 +129,5 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     block = triton.next_power_of_2(dim)
     _gated_rms_norm_kernel[(length * heads,)](x, x.stride(0), x.stride(1), gate, gate.stride(0), gate.stride(1),
                                               weight, out, heads, dim, eps, BLOCK_D=block,
-                                              num_warps=num_warps_for(block), **pdl_launch(x.device))
+                                              num_warps=num_warps_for(block))
     return out

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from . import quant_gemv_configs
-from ._triton import INTERPRETED, jit, pdl_launch, tl, triton, wait_for_inputs
+from ._triton import INTERPRETED, jit, tl, triton
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitudes of codes 0-7; bit 3 is the sign
 NVFP4_GROUP = 16
@@ -339,7 +339,7 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrival
                        stride_s, k_split, SPLIT: tl.constexpr, X_BF16: tl.constexpr, EVEN_K: tl.constexpr,
                        NVFP4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUPED: tl.constexpr,
                        IEEE: tl.constexpr, ASM: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_L, BLOCK_N] output tile over one K slice: out[l, n], or with SPLIT its slice's partial, summed
     by :func:`_sum_slices_when_last`. Program axes: row block of W, split-K index, block of x's rows (each block
     re-reads its weights).
@@ -350,10 +350,7 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrival
     scale groups: fp8 when its group divides BLOCK_K), each group's x * value products are summed and scaled once
     into a [BLOCK_N, BLOCK_K / GROUP] accumulator, otherwise accumulated elementwise into [BLOCK_N, BLOCK_K]; either
     is summed once after the loop. Several rows: x's rows are padded to BLOCK_L >= 16, the tile is dequantised
-    (nvfp4's nibbles interleaved back into k order) and goes through tl.dot.
-
-    Under PDL only weights are read before :func:`wait_for_inputs`: decode's first words of nvfp4 codes load while
-    the kernel before still runs."""
+    (nvfp4's nibbles interleaved back into k order) and goes through tl.dot."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     row_ok = rows < N
@@ -369,8 +366,6 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrival
         k_end = tl.multiple_of(k_end, BLOCK_K)
     if ONE_ROW and NVFP4:   # the first tile's words are in flight while x's range is found
         words = _nvfp4_words(q_ptr, wide_rows, row_ok, k_begin, k_end, stride_q, BLOCK_K)
-    wait_for_inputs(PDL)
-    if ONE_ROW and NVFP4:
         x_exponent = _x_magnitude_exponent(x_ptr, k_begin, k_end, X_BF16, BLOCK_K)
         x_mul = ((268 - x_exponent) << 23).to(tl.float32, bitcast=True)         # 2^(14 - p), p = x_exponent - 127
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -522,8 +517,7 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
         scale.stride(0), k_split, SPLIT=splits > 1, X_BF16=x_bf16, EVEN_K=k % block_k == 0, NVFP4=nvfp4,
         GROUP=group, PER_CHANNEL=kind == "fp8", GROUPED=kind != "fp8" and block_k % group == 0,
         IEEE=dtype == torch.float32 or INTERPRETED, ASM=not INTERPRETED, ONE_ROW=rows == 1, BLOCK_L=block_l,
-        BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_launch(x.device))
+        BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
@@ -541,9 +535,8 @@ def nvfp4_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, r
 
 @jit
 def _dequant_kernel(q_ptr, s_ptr, r_ptr, out_ptr, N, K, NVFP4: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_N: tl.constexpr, TILE_K: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_N: tl.constexpr, TILE_K: tl.constexpr):
     """out [N, K] (the dtype of out) = dequant(W) for one [BLOCK_N, TILE_K] tile of stored columns."""
-    wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * TILE_K + tl.arange(0, TILE_K)        # bytes of nvfp4, values of fp8
     wide_rows = rows.to(tl.int64)
@@ -577,6 +570,5 @@ def dequantize_triton(q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Ten
     codes, scale_bytes = q.view(torch.uint8), (scale.view(torch.uint8) if nvfp4 else scale)   # fp8 as bytes
     _dequant_kernel[(triton.cdiv(n, _DEQUANT_BLOCK_N), triton.cdiv(q.shape[1], tile_k))](
         codes, scale_bytes, row_scale if nvfp4 else scale, out, n, k, NVFP4=nvfp4,
-        GROUP=NVFP4_GROUP if nvfp4 else k // scale.shape[1], BLOCK_N=_DEQUANT_BLOCK_N, TILE_K=tile_k, num_warps=4,
-        **pdl_launch(q.device))
+        GROUP=NVFP4_GROUP if nvfp4 else k // scale.shape[1], BLOCK_N=_DEQUANT_BLOCK_N, TILE_K=tile_k, num_warps=4)
     return out
