@@ -332,6 +332,31 @@ def test_a_drop_during_a_pending_write_leaves_no_file(tmp_path, monkeypatch):
     assert gate.calls == 1 and list(tmp_path.iterdir()) == []
 
 
+def test_a_second_disk_spill_joins_the_pending_write_whether_or_not_it_has_ended(tmp_path, monkeypatch):
+    """The same request gives the same answer: a spill of a capsule whose file is being written joins that write,
+    also when the write ends between the caller's look (host tier) and the call; a capsule already settled on disk
+    is refused."""
+    engine = make(capsule_dir=str(tmp_path))
+    full = separate_capsules(engine, "ab")
+    gate = Gate(monkeypatch, "write_capsule_file")
+    engine.spill("a", wait=False)
+    assert engine.spill("a", wait=False).tier == "host" and engine.tiers.pending == ("a",)   # still blocked
+    engine.spill("b", wait=False)
+    gate.open()
+    for capsule_id in "ab":                          # the writes end; nothing has settled them yet
+        engine.tiers._writes[capsule_id].future.result(timeout=60)
+    assert engine.capsule("a").tier == "host"
+    assert engine.spill("a", wait=False).tier == "disk"      # (settles b's ended write too)
+    assert gate.calls == 2 and capsule_file.capsule_file_ids(tmp_path) == ["a", "b"]
+    for capsule_id in "ab":
+        assert engine.capsule(capsule_id).tier == "disk"
+        with pytest.raises(FlashRTError) as err:
+            engine.spill(capsule_id)
+        assert err.value.code == ErrorCode.INVALID_ARGUMENT and "disk tier already" in err.value.message
+    for capsule_id, data in full.items():
+        assert torch.equal(engine.capsule_bytes(capsule_id), data)
+
+
 def test_a_prefetch_reads_in_the_background_and_a_restore_waits_for_it(tmp_path, monkeypatch):
     engine = make(capsule_dir=str(tmp_path))
     full = separate_capsules(engine, "ab")

@@ -126,6 +126,9 @@ class Tiers:
     def spill(self, stored: StoredCapsule, tier: str, wait: bool = True) -> None:
         """Move a capsule to ``tier`` (checked by :meth:`check_target`). A disk spill returns once its device
         blocks are released; unless ``wait`` its file is written in the background (see the module doc)."""
+        write = self._writes.get(stored.info.id)
+        if tier == DISK and not wait and write is not None and stored.host is write.staging:
+            return                          # its file is being written: this spill joins that write
         self.wait(stored.info.id)           # an earlier write of this id ends first (it may finish this spill)
         if stored.tier == DISK:
             return

@@ -537,11 +537,14 @@ class Engine:
     def spill(self, capsule_id: str, tier: str = "", wait: bool = True) -> CapsuleInfo:
         """Move a capsule off the device: to ``tier`` (host | disk; "" = the next one down). Its device blocks are
         released at once. A disk spill with ``wait=False`` writes the file in the background: until it is complete
-        the capsule is on the host tier (its staging copy, restorable); a failed write leaves it there."""
+        the capsule is on the host tier (its staging copy, restorable); a failed write leaves it there. A disk
+        spill of a capsule whose file is being written joins that write, whether or not it ends meanwhile."""
+        joins_its_write = tier in ("", DISK) and capsule_id in self.tiers.pending
         self._settle()
         stored = self.store.get(capsule_id)
         tier = tier or (self.tiers.below(stored) or DISK)
-        self.tiers.check_target(stored, tier)
+        if not (joins_its_write and stored.tier == DISK):
+            self.tiers.check_target(stored, tier)
         self.tiers.spill(stored, tier, wait)
         self._settle()
         return self.store.info(capsule_id)
