@@ -56,7 +56,7 @@ def test_deactivate_refuses_requests_and_reconfigure_starts_clean(node_and_clien
     action = client.action_client(Generate, "generate")
     tokens = client.subscribe(TokenChunk, "tokens")
     events = client.subscribe(StateEvent, "events")
-    long_goal = client.send_goal(action, goal("A long story:", 400), [])
+    long_goal = client.send_goal(action, goal("Hello robot.", 400), [])  # (no end-of-sequence in 400)
     wait_for(lambda: tokens, what="the goal's first chunk")
 
     assert transition(client, Transition.TRANSITION_DEACTIVATE)
@@ -80,7 +80,11 @@ def test_deactivate_refuses_requests_and_reconfigure_starts_clean(node_and_clien
     answer = wait_for(lambda: [t for t in tokens if t.observation_stamp.sec == 4242], what="the error chunk")
     assert answer[0].final and answer[0].finish_reason == "error" and answer[0].token_ids.tolist() == []
     assert node.worker.submit(lambda s: s.engine.position).result(10) == position
-    refusals = wait_for(lambda: [e for e in events if e.op == "observe" and not e.success], what="refused events")
+    def refused():
+        found = [e for e in events if e.op == "observe" and not e.success]
+        return found if len(found) >= 2 else None
+
+    refusals = wait_for(refused, what="both refused events")
     assert [e.error_code for e in refusals] == [ErrorCode.NOT_ACTIVE] * 2
     assert refusals[1].observation.text == "answer me" and refusals[1].request_id == answer[0].request_id
     ops = [e.op for e in events]
