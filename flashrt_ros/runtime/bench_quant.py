@@ -1,9 +1,11 @@
 """Benchmark of the weight formats, side by side in one run on one device (``flashrt-runtime bench-quant``).
 
 Per format: decode ms/token against that format's weight-bytes floor (weights read per token / the device's
-measured copy bandwidth), prefill TTFT, and fidelity against the dense engine (same seeded weights): logits error
-and greedy agreement, teacher-forced along the dense engine's greedy continuation, plus the first index where the
-free-running greedy continuations part. Beside it: the fused quantized GEMVs against the dense ``F.linear`` (cuBLAS
+measured copy bandwidth), prefill TTFT, and fidelity against the dense engine (same weights): logits error, greedy
+(top-1) agreement and the mean cross-entropy of the forced tokens, teacher-forced along the dense engine's greedy
+continuation or, with a text file (``fidelity_text``), along that text after a prompt from its start, plus the first
+index where the free-running greedy continuations part. Random weights have nearly flat logits, so only a trained
+model's figures say how much a format loses (``bench/train_tiny_lm.py`` trains one on this CPU). Beside it: the fused quantized GEMVs against the dense ``F.linear`` (cuBLAS
 on CUDA) on the model's own projection shapes, and a projected Thor table (bytes per token / 273 GB/s), which is a
 projection from shapes, not a measurement.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import statistics
 
 import torch
@@ -20,6 +23,7 @@ from torch import nn
 from . import quant
 from .config import PRESETS, ModelConfig
 from .engine import Engine, EngineConfig
+from .errors import ErrorCode, FlashRTError
 from .model import Qwen35
 from .timing import sync, timed
 from .verify import first_divergence, prompt_tokens
@@ -129,6 +133,11 @@ def teacher_forced(engine: Engine, prompt: list[int], tokens: list[int]) -> torc
     return torch.stack(out)
 
 
+def mean_nll(logits: torch.Tensor, tokens: list[int]) -> float:
+    """Mean cross-entropy (nats) of ``tokens`` under teacher-forced ``logits`` (row i predicts tokens[i])."""
+    return float(F.cross_entropy(logits[:len(tokens)], torch.tensor(tokens, device=logits.device)))
+
+
 def fidelity(reference: torch.Tensor, logits: torch.Tensor, free_ref: list[int], free: list[int]) -> dict:
     """Logits error of ``logits`` against ``reference`` (both [T, vocab], teacher-forced) and greedy agreement."""
     diff = logits - reference
@@ -147,6 +156,7 @@ class QuantBenchConfig:
     decode_tokens: int = 32
     prefill_tokens: int = 256        # cold prefill for TTFT
     fidelity_tokens: int = 16
+    fidelity_text: str | None = None  # a text file: prompt and forced tokens from it, in the model's tokenizer
     repeats: int = 5
 
 
@@ -154,6 +164,17 @@ def _engine(cfg: QuantBenchConfig, fmt: str) -> Engine:
     needed = max(cfg.context + cfg.decode_tokens, cfg.prefill_tokens, cfg.context + cfg.fidelity_tokens) + 8
     return Engine(dataclasses.replace(cfg.engine, weights_format=fmt, max_context=needed, capsule_budget_bytes=0,
                                       checksum_on_snapshot=False))
+
+
+def text_tokens(engine: Engine, cfg: QuantBenchConfig) -> tuple[list[int], list[int]]:
+    """The prompt (``context`` tokens) and the forced tokens (``fidelity_tokens``) from the start of the text file."""
+    with open(cfg.fidelity_text, encoding="utf-8") as f:
+        ids = engine.tokenizer.encode(f.read())
+    needed = cfg.context + cfg.fidelity_tokens
+    if len(ids) < needed:
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"{cfg.fidelity_text} is {len(ids)} tokens in this model's "
+                           f"tokenizer; --context + --fidelity-tokens need {needed}")
+    return ids[:cfg.context], ids[cfg.context:needed]
 
 
 def _format_row(engine: Engine, cfg: QuantBenchConfig, bandwidth: float, prompt: list[int]) -> dict:
@@ -185,7 +206,8 @@ def run(cfg: QuantBenchConfig) -> dict:
     rows, reference, platform_info, gemvs = [], None, {}, []
     for fmt in formats:
         engine = _engine(cfg, fmt)
-        prompt = prompt_tokens(engine.vocab_size, cfg.context, "quant-prompt")
+        prompt, forced = (text_tokens(engine, cfg) if cfg.fidelity_text else
+                          (prompt_tokens(engine.vocab_size, cfg.context, "quant-prompt"), None))
         row = _format_row(engine, cfg, bandwidth, prompt)
         engine.reset()
         engine.ingest(prompt)
@@ -194,21 +216,27 @@ def run(cfg: QuantBenchConfig) -> dict:
             platform_info = engine.platform.diagnostics()
             gemvs = gemv_table(engine.model, device, engine.arena["hidden"].dtype, engine.platform.quant_triton,
                                cfg.repeats)
-            reference = (free, teacher_forced(engine, prompt, free))
+            forced = free if forced is None else forced
+            reference = (free, forced, teacher_forced(engine, prompt, forced))
+            logits = reference[2]
         else:
-            row.update(fidelity(reference[1], teacher_forced(engine, prompt, reference[0]), reference[0], free))
+            logits = teacher_forced(engine, prompt, reference[1])
+            row.update(fidelity(reference[2], logits, reference[0], free))
+        row["forced_nll"] = mean_nll(logits, reference[1])
         rows.append(row)
         del engine
         gc.collect()
         if device.type == "cuda":
             sync(device)
             torch.cuda.empty_cache()
-    dense_ms = rows[0]["decode_ms_per_token"]
+    dense_ms, dense_nll = rows[0]["decode_ms_per_token"], rows[0]["forced_nll"]
     for row in rows:
         row["decode_speedup_vs_dense"] = dense_ms / row["decode_ms_per_token"]
+        row["perplexity_vs_dense"] = math.exp(row["forced_nll"] - dense_nll)
     engine = cfg.engine
     return {"model": engine.model, "device": engine.device, "dtype": engine.dtype, "kernels": engine.kernels,
-            "exclude": list(engine.weights_exclude), "copy_bandwidth_GBps": bandwidth / 1e9, "platform": platform_info,
+            "exclude": list(engine.weights_exclude), "fidelity_text": cfg.fidelity_text,
+            "copy_bandwidth_GBps": bandwidth / 1e9, "platform": platform_info,
             "formats": rows, "gemv": gemvs, "thor_projection": thor_projection(engine.weights_exclude)}
 
 
@@ -236,7 +264,7 @@ def markdown(result: dict) -> str:
         ("format", "{}"), ("weight_bytes_per_token", "{:,}"), ("decode_ms_per_token", "{:.3f}"), ("floor_ms", "{:.3f}"),
         ("decode_over_floor", "{:.2f}"), ("decode_speedup_vs_dense", "{:.2f}x"), ("cold_ttft_ms", "{:.2f}"),
         ("logits_rel_l2_mean", "{:.4f}"), ("logits_max_abs_err", "{:.4f}"), ("greedy_agreement", "{:.3f}"),
-        ("free_run_first_divergence", "{}")])
+        ("forced_nll", "{:.4f}"), ("perplexity_vs_dense", "{:.4f}"), ("free_run_first_divergence", "{}")])
     gemv = _table(result["gemv"], [
         ("shape", "{}"), ("N", "{}"), ("K", "{}"), ("dense_us", "{:.2f}"), ("fp8_us", "{:.2f}"),
         ("nvfp4_us", "{:.2f}"), ("fp8_speedup", "{:.2f}x"), ("nvfp4_speedup", "{:.2f}x"), ("dense_GBps", "{:.0f}"),

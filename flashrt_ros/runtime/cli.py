@@ -93,7 +93,7 @@ def cmd_bench_quant(args) -> dict:
     cfg = bench_quant.QuantBenchConfig(
         engine=_config(args, 1, 256, 0, checksum=False), formats=tuple(args.formats.split(",")),
         context=args.context, decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens,
-        fidelity_tokens=args.fidelity_tokens, repeats=args.repeats)
+        fidelity_tokens=args.fidelity_tokens, fidelity_text=args.fidelity_text, repeats=args.repeats)
     result = bench_quant.run(cfg)
     print(bench_quant.markdown(result), file=sys.stderr)
     if args.out:
@@ -152,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--context", type=int, default=512, help="tokens before the decode measurement")
     bq.add_argument("--decode-tokens", type=int, default=64)
     bq.add_argument("--prefill-tokens", type=int, default=2048, help="cold prefill for TTFT")
-    bq.add_argument("--fidelity-tokens", type=int, default=32, help="greedy tokens compared with dense")
+    bq.add_argument("--fidelity-tokens", type=int, default=32, help="tokens teacher-forced and compared with dense")
+    bq.add_argument("--fidelity-text", help="a text file: the prompt and the forced tokens come from its start, in "
+                    "the model's tokenizer (else: random prompt ids, forced along dense's greedy continuation)")
     bq.add_argument("--repeats", type=int, default=10)
     bq.add_argument("--out", help="write the JSON result here too")
     bq.set_defaults(func=cmd_bench_quant)
