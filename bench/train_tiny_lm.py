@@ -1,7 +1,7 @@
 """Train a small Qwen3.5-architecture language model on this CPU, so that the weight formats' fidelity figures mean
 something without downloading a checkpoint.
 
-    python bench/train_tiny_lm.py OUT_DIR [--steps 600] [--hidden 256] [--layers 8] [--vocab 1024] [--seed 0]
+    python bench/train_tiny_lm.py OUT_DIR [--steps 800] [--hidden 256] [--layers 8] [--vocab 1024] [--seed 0]
 
 Seeded random weights give nearly flat logits, where any perturbation flips the argmax, so their greedy agreement
 says little about a format. A trained model predicts confidently where its text is predictable, like a real
@@ -144,14 +144,14 @@ def build(out: Path, *, steps: int, hidden: int, layers: int, heads: int, head_d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--corpus-chars", type=int, default=6_000_000)
     parser.add_argument("--heldout", type=float, default=0.02, help="share of the corpus held out (its end)")

@@ -66,7 +66,8 @@ def test_a_trained_model_keeps_its_predictions_in_fp8_and_nvfp4(trained):
 
 def test_fidelity_text_sets_the_prompt_and_the_forced_tokens(trained, tmp_path):
     """The dense row's mean cross-entropy is that of the text's own tokens after the prompt, as the engine scores
-    them teacher-forced; a text too short for --context + --fidelity-tokens is refused with the counts."""
+    them teacher-forced; a text too short for --context + --fidelity-tokens is refused with the counts, a missing
+    one with the reason."""
     folder, _ = trained
     text = (folder / train_tiny_lm.HELDOUT_FILE).read_text(encoding="utf-8")
     result = bench(folder, folder / train_tiny_lm.HELDOUT_FILE, formats=("dense",))
@@ -79,6 +80,7 @@ def test_fidelity_text_sets_the_prompt_and_the_forced_tokens(trained, tmp_path):
     assert result["fidelity_text"].endswith(train_tiny_lm.HELDOUT_FILE)
     short = tmp_path / "short.txt"
     short.write_text(text[:40], encoding="utf-8")
-    with pytest.raises(FlashRTError, match=rf"need {CONTEXT + FORCED}") as err:
-        bench(folder, short, formats=("dense",))
-    assert err.value.code == ErrorCode.INVALID_ARGUMENT
+    for path, message in ((short, rf"need {CONTEXT + FORCED}"), (tmp_path / "missing.txt", "cannot read")):
+        with pytest.raises(FlashRTError, match=message) as err:
+            bench(folder, path, formats=("dense",))
+        assert err.value.code == ErrorCode.INVALID_ARGUMENT

@@ -5,9 +5,9 @@ measured copy bandwidth), prefill TTFT, and fidelity against the dense engine (s
 (top-1) agreement and the mean cross-entropy of the forced tokens, teacher-forced along the dense engine's greedy
 continuation or, with a text file (``fidelity_text``), along that text after a prompt from its start, plus the first
 index where the free-running greedy continuations part. Random weights have nearly flat logits, so only a trained
-model's figures say how much a format loses (``bench/train_tiny_lm.py`` trains one on this CPU). Beside it: the fused quantized GEMVs against the dense ``F.linear`` (cuBLAS
-on CUDA) on the model's own projection shapes, and a projected Thor table (bytes per token / 273 GB/s), which is a
-projection from shapes, not a measurement.
+model's figures say how much a format loses (``bench/train_tiny_lm.py`` trains one on the CPU). Beside it: the fused
+quantized GEMVs against the dense ``F.linear`` (cuBLAS on CUDA) on the model's own projection shapes, and a
+projected Thor table (bytes per token / 273 GB/s), which is a projection from shapes, not a measurement.
 """
 from __future__ import annotations
 
@@ -168,8 +168,11 @@ def _engine(cfg: QuantBenchConfig, fmt: str) -> Engine:
 
 def text_tokens(engine: Engine, cfg: QuantBenchConfig) -> tuple[list[int], list[int]]:
     """The prompt (``context`` tokens) and the forced tokens (``fidelity_tokens``) from the start of the text file."""
-    with open(cfg.fidelity_text, encoding="utf-8") as f:
-        ids = engine.tokenizer.encode(f.read())
+    try:
+        with open(cfg.fidelity_text, encoding="utf-8") as f:
+            ids = engine.tokenizer.encode(f.read())
+    except (OSError, UnicodeDecodeError) as err:
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"cannot read the fidelity text: {err}") from err
     needed = cfg.context + cfg.fidelity_tokens
     if len(ids) < needed:
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"{cfg.fidelity_text} is {len(ids)} tokens in this model's "
@@ -203,26 +206,26 @@ def run(cfg: QuantBenchConfig) -> dict:
     formats = ("dense",) + tuple(f for f in cfg.formats if f != "dense")
     device = torch.device(cfg.engine.device)
     bandwidth = copy_bandwidth(device)
-    rows, reference, platform_info, gemvs = [], None, {}, []
+    rows, platform_info, gemvs = [], {}, []
+    ref_free = forced = ref_logits = None       # the dense engine's: its greedy tokens, the forced ones, its logits
     for fmt in formats:
         engine = _engine(cfg, fmt)
-        prompt, forced = (text_tokens(engine, cfg) if cfg.fidelity_text else
-                          (prompt_tokens(engine.vocab_size, cfg.context, "quant-prompt"), None))
+        prompt, text_forced = (text_tokens(engine, cfg) if cfg.fidelity_text else
+                               (prompt_tokens(engine.vocab_size, cfg.context, "quant-prompt"), None))
         row = _format_row(engine, cfg, bandwidth, prompt)
         engine.reset()
         engine.ingest(prompt)
         free = list(engine.generate(cfg.fidelity_tokens, stop_token_ids=()))
-        if reference is None:
+        if ref_logits is None:
             platform_info = engine.platform.diagnostics()
             gemvs = gemv_table(engine.model, device, engine.arena["hidden"].dtype, engine.platform.quant_triton,
                                cfg.repeats)
-            forced = free if forced is None else forced
-            reference = (free, forced, teacher_forced(engine, prompt, forced))
-            logits = reference[2]
+            ref_free, forced = free, (free if text_forced is None else text_forced)
+            logits = ref_logits = teacher_forced(engine, prompt, forced)
         else:
-            logits = teacher_forced(engine, prompt, reference[1])
-            row.update(fidelity(reference[2], logits, reference[0], free))
-        row["forced_nll"] = mean_nll(logits, reference[1])
+            logits = teacher_forced(engine, prompt, forced)
+            row.update(fidelity(ref_logits, logits, ref_free, free))
+        row["forced_nll"] = mean_nll(logits, forced)
         rows.append(row)
         del engine
         gc.collect()
