@@ -55,13 +55,16 @@ def test_a_trained_model_keeps_its_predictions_in_fp8_and_nvfp4(trained):
     rows = {r["format"]: r for r in result["formats"]}
     print(json.dumps(rows, indent=1))
     dense, fp8, nvfp4 = rows["dense"], rows["fp8/reference"], rows["nvfp4/reference"]
-    assert dense["perplexity_vs_dense"] == 1.0 and "greedy_agreement" not in dense
+    assert "perplexity_vs_dense" not in dense and "greedy_agreement" not in dense
     assert dense["forced_nll"] < record["heldout_nll"] + 1.0      # the runtime runs the trained model, not noise
     # measured here: fp8 agrees on 94 of 97 argmaxes, logits error 1.3%, perplexity +0.1%; nvfp4 94 of 97, 5.2%,
     # -0.5%. Each nvfp4 scale applied to its neighbour group instead (a mutation tried): 73 of 97, 13%, +19%.
     assert fp8["greedy_agreement"] >= 0.9 and abs(fp8["perplexity_vs_dense"] - 1) < 0.02, fp8
     assert nvfp4["greedy_agreement"] >= 0.85 and abs(nvfp4["perplexity_vs_dense"] - 1) < 0.08, nvfp4
     assert 0 < fp8["logits_rel_l2_mean"] < 0.03 and fp8["logits_rel_l2_mean"] < nvfp4["logits_rel_l2_mean"] < 0.09
+    for row in (fp8, nvfp4):   # the noise of the sample is stated beside the difference, and is not zero
+        assert 0 < row["nll_delta_stderr"] < 0.05
+        assert math.exp(row["forced_nll"] - dense["forced_nll"]) == pytest.approx(row["perplexity_vs_dense"])
 
 
 def test_fidelity_text_sets_the_prompt_and_the_forced_tokens(trained, tmp_path):

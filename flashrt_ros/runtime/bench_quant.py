@@ -133,9 +133,17 @@ def teacher_forced(engine: Engine, prompt: list[int], tokens: list[int]) -> torc
     return torch.stack(out)
 
 
-def mean_nll(logits: torch.Tensor, tokens: list[int]) -> float:
-    """Mean cross-entropy (nats) of ``tokens`` under teacher-forced ``logits`` (row i predicts tokens[i])."""
-    return float(F.cross_entropy(logits[:len(tokens)], torch.tensor(tokens, device=logits.device)))
+def token_nll(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """Cross-entropy (nats) of each of ``tokens`` under teacher-forced ``logits`` (row i predicts tokens[i])."""
+    return F.cross_entropy(logits[:len(tokens)], torch.tensor(tokens, device=logits.device), reduction="none")
+
+
+def nll_against_dense(nll: torch.Tensor, dense_nll: torch.Tensor) -> dict:
+    """Perplexity relative to dense over the same forced tokens, and the standard error of the mean per-token
+    cross-entropy difference behind it: a difference within about two of those is the sample's noise."""
+    delta = (nll - dense_nll).double()
+    return {"perplexity_vs_dense": math.exp(float(delta.mean())),
+            "nll_delta_stderr": float(delta.std() / math.sqrt(delta.numel())) if delta.numel() > 1 else None}
 
 
 def fidelity(reference: torch.Tensor, logits: torch.Tensor, free_ref: list[int], free: list[int]) -> dict:
@@ -208,6 +216,7 @@ def run(cfg: QuantBenchConfig) -> dict:
     bandwidth = copy_bandwidth(device)
     rows, platform_info, gemvs = [], {}, []
     ref_free = forced = ref_logits = None       # the dense engine's: its greedy tokens, the forced ones, its logits
+    ref_nll = None
     for fmt in formats:
         engine = _engine(cfg, fmt)
         prompt, text_forced = (text_tokens(engine, cfg) if cfg.fidelity_text else
@@ -221,21 +230,23 @@ def run(cfg: QuantBenchConfig) -> dict:
             gemvs = gemv_table(engine.model, device, engine.arena["hidden"].dtype, engine.platform.quant_triton,
                                cfg.repeats)
             ref_free, forced = free, (free if text_forced is None else text_forced)
-            logits = ref_logits = teacher_forced(engine, prompt, forced)
+            ref_logits = teacher_forced(engine, prompt, forced)
+            ref_nll = nll = token_nll(ref_logits, forced)
         else:
             logits = teacher_forced(engine, prompt, forced)
             row.update(fidelity(ref_logits, logits, ref_free, free))
-        row["forced_nll"] = mean_nll(logits, forced)
+            nll = token_nll(logits, forced)
+            row.update(nll_against_dense(nll, ref_nll))
+        row["forced_nll"] = float(nll.mean())
         rows.append(row)
         del engine
         gc.collect()
         if device.type == "cuda":
             sync(device)
             torch.cuda.empty_cache()
-    dense_ms, dense_nll = rows[0]["decode_ms_per_token"], rows[0]["forced_nll"]
+    dense_ms = rows[0]["decode_ms_per_token"]
     for row in rows:
         row["decode_speedup_vs_dense"] = dense_ms / row["decode_ms_per_token"]
-        row["perplexity_vs_dense"] = math.exp(row["forced_nll"] - dense_nll)
     engine = cfg.engine
     return {"model": engine.model, "device": engine.device, "dtype": engine.dtype, "kernels": engine.kernels,
             "exclude": list(engine.weights_exclude), "fidelity_text": cfg.fidelity_text,
@@ -267,7 +278,8 @@ def markdown(result: dict) -> str:
         ("format", "{}"), ("weight_bytes_per_token", "{:,}"), ("decode_ms_per_token", "{:.3f}"), ("floor_ms", "{:.3f}"),
         ("decode_over_floor", "{:.2f}"), ("decode_speedup_vs_dense", "{:.2f}x"), ("cold_ttft_ms", "{:.2f}"),
         ("logits_rel_l2_mean", "{:.4f}"), ("logits_max_abs_err", "{:.4f}"), ("greedy_agreement", "{:.3f}"),
-        ("forced_nll", "{:.4f}"), ("perplexity_vs_dense", "{:.4f}"), ("free_run_first_divergence", "{}")])
+        ("forced_nll", "{:.4f}"), ("perplexity_vs_dense", "{:.4f}"), ("nll_delta_stderr", "{:.4f}"),
+        ("free_run_first_divergence", "{}")])
     gemv = _table(result["gemv"], [
         ("shape", "{}"), ("N", "{}"), ("K", "{}"), ("dense_us", "{:.2f}"), ("fp8_us", "{:.2f}"),
         ("nvfp4_us", "{:.2f}"), ("fp8_speedup", "{:.2f}x"), ("nvfp4_speedup", "{:.2f}x"), ("dense_GBps", "{:.0f}"),
