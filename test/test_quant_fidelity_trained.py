@@ -5,7 +5,6 @@ Random weights have nearly flat logits, where any rounding flips the argmax (tes
 that the formats are ordered there); a trained model predicts confidently where its text is predictable, so here a
 format that rounds wrongly (a scale applied to the wrong group, a code decoded to the wrong value) loses agreement
 and perplexity far beyond the bounds below, which a correct rounding keeps with margin."""
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -13,21 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import bench_scripts
 from flashrt_ros.runtime import EngineConfig, ErrorCode, FlashRTError
 from flashrt_ros.runtime import bench_quant
 
-TRAINER = Path(__file__).resolve().parents[1] / "bench" / "train_tiny_lm.py"
-
-
-def _load_trainer():
-    """bench/train_tiny_lm.py as a module (bench/ is no package)."""
-    spec = importlib.util.spec_from_file_location("train_tiny_lm", TRAINER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_tiny_lm = _load_trainer()
+train_tiny_lm = bench_scripts.load("train_tiny_lm")
 CONTEXT, FORCED = 48, 96
 
 
@@ -39,8 +28,8 @@ def trained(tmp_path_factory) -> tuple[Path, dict]:
     return folder, record
 
 
-def bench(folder: Path, text: Path, formats=("fp8", "nvfp4"), exclude=()) -> dict:
-    engine = EngineConfig(model=str(folder), prefill_chunk=64, weights_exclude=exclude)
+def bench(folder: Path, text: Path, formats=("fp8", "nvfp4")) -> dict:
+    engine = EngineConfig(model=str(folder), prefill_chunk=64)
     return bench_quant.run(bench_quant.QuantBenchConfig(engine, formats=formats, context=CONTEXT, decode_tokens=2,
                                                         prefill_tokens=16, fidelity_tokens=FORCED, repeats=1,
                                                         fidelity_text=str(text)))

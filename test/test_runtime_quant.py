@@ -6,12 +6,12 @@ import itertools
 import json
 import math
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import bench_scripts
 import hf_checkpoints as hf
 from capsule_helpers import plant_foreign_capsule
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError
@@ -22,16 +22,7 @@ from flashrt_ros.runtime.verify import verify
 from kernel_checks import describe
 
 
-def _load_tuner():
-    """bench/tune_quant_gemv.py as a module (bench/ is no package)."""
-    spec = importlib.util.spec_from_file_location("tune_quant_gemv", TUNER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TUNER = Path(__file__).resolve().parents[1] / "bench" / "tune_quant_gemv.py"
-tune = _load_tuner()
+tune = bench_scripts.load("tune_quant_gemv")
 
 needs_triton = pytest.mark.skipif(triton is None, reason="triton is not importable")
 QUANTIZED = ("fp8", "nvfp4")
