@@ -215,12 +215,13 @@ def run(cfg: QuantBenchConfig) -> dict:
     device = torch.device(cfg.engine.device)
     bandwidth = copy_bandwidth(device)
     rows, platform_info, gemvs = [], {}, []
-    ref_free = forced = ref_logits = None       # the dense engine's: its greedy tokens, the forced ones, its logits
-    ref_nll = None
+    # from the dense engine: the prompt, its greedy tokens, the forced tokens, its logits and cross-entropies
+    prompt = ref_free = forced = ref_logits = ref_nll = None
     for fmt in formats:
         engine = _engine(cfg, fmt)
-        prompt, text_forced = (text_tokens(engine, cfg) if cfg.fidelity_text else
-                               (prompt_tokens(engine.vocab_size, cfg.context, "quant-prompt"), None))
+        if prompt is None:      # the same weights and tokenizer in every format: read the text once
+            prompt, text_forced = (text_tokens(engine, cfg) if cfg.fidelity_text else
+                                   (prompt_tokens(engine.vocab_size, cfg.context, "quant-prompt"), None))
         row = _format_row(engine, cfg, bandwidth, prompt)
         engine.reset()
         engine.ingest(prompt)
