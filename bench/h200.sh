@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 git_commit=${GIT_COMMIT:-unknown}; echo "commit $git_commit" | tee -a "$OUT/gpu.txt"
 bench() {  # preset contexts repeats
-  timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.runtime bench --model "$1" --device cuda --dtype bfloat16 --contexts "$2" --repeats "$3" \
+  timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.tools bench --model "$1" --device cuda --dtype bfloat16 --contexts "$2" --repeats "$3" \
       --decode-tokens 64 --compare-hf --profile --out "$OUT/bench_$1.json" > "$OUT/bench_$1.log" 2>&1
   echo "bench $1 rc=$?"; grep -v -i warn "$OUT/bench_$1.log" | tail -8
 }
@@ -24,7 +24,7 @@ for phase in "$@"; do
           test/test_kernels_*.py > "$OUT/check_pytest.log" 2>&1; echo "pytest rc=$?"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/check_pytest.log" | tail -25
       for kernels in triton reference; do
-        python3 -m flashrt_ros.runtime verify --model qwen3.5-0.8b --device cuda --dtype bfloat16 --kernels $kernels \
+        python3 -m flashrt_ros.tools verify --model qwen3.5-0.8b --device cuda --dtype bfloat16 --kernels $kernels \
             --prefix-len 2048 --suffix-len 24 --gen 32 --kv-only > "$OUT/verify_0.8b_$kernels.json"; echo "verify rc=$?"
         python3 -c "import json; d=json.load(open('$OUT/verify_0.8b_$kernels.json')); [d.pop(k,None) for k in ('tokens_a','kv_only_tokens')]; print(d)"
       done
@@ -43,7 +43,7 @@ for phase in "$@"; do
       ;;
     quant)
       for preset in ${QUANT_PRESETS:-qwen3.5-0.8b qwen3.6-27b}; do
-        timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.runtime bench-quant --model $preset --device cuda --dtype bfloat16 \
+        timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.tools bench-quant --model $preset --device cuda --dtype bfloat16 \
             --formats dense,fp8,nvfp4 --context 2048 --decode-tokens 64 --prefill-tokens 2048 --fidelity-tokens 32 \
             --repeats 3 --out "$OUT/bench_quant_$preset.json" > "$OUT/bench_quant_$preset.log" 2>&1
         echo "bench-quant $preset rc=$?"; grep -v -i warn "$OUT/bench_quant_$preset.log" | tail -12
@@ -59,13 +59,13 @@ for phase in "$@"; do
       ;;
     capsules)
       for preset in ${CAPSULE_PRESETS:-qwen3.5-0.8b}; do
-        timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.runtime bench-capsules --model $preset --device cuda \
+        timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.tools bench-capsules --model $preset --device cuda \
             --dtype bfloat16 --context 16384 --branches 8 --branch-tokens 64 --repeats 10 --capsule-dir /tmp/fc_$preset \
             --capsule-budget-mb 65536 --host-budget-mb 16384 --out "$OUT/bench_capsules_$preset.json" \
             > "$OUT/bench_capsules_$preset.log" 2>&1
         echo "bench-capsules $preset rc=$?"; grep -v -i warn "$OUT/bench_capsules_$preset.log" | tail -8
       done
-      python3 -m flashrt_ros.runtime.bench_files --mib 243 --device cuda --dir /tmp/capsule_files --repeats 5 \
+      python3 -m flashrt_ros.tools.bench_files --mib 243 --device cuda --dir /tmp/capsule_files --repeats 5 \
           --json "$OUT/bench_files_cuda.json" > "$OUT/bench_files_cuda.log" 2>&1
       echo "bench_files rc=$?"; tail -8 "$OUT/bench_files_cuda.log"
       ;;

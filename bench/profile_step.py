@@ -8,8 +8,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashrt_ros.runtime import Engine, EngineConfig
 from flashrt_ros.runtime.engine import _piece_bucket
-from flashrt_ros.runtime.timing import timed
-from flashrt_ros.runtime.verify import prompt_tokens
+from flashrt_ros.tools.timing import timed
+from flashrt_ros.tools.verify import prompt_tokens
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-0.8b"
 context = int(sys.argv[2]) if len(sys.argv) > 2 else 16384

@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from flashrt_ros.runtime import quant  # noqa: E402
-from flashrt_ros.runtime.bench_quant import _time_calls_us  # noqa: E402
+from flashrt_ros.tools.bench_quant import _time_calls_us  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import quant_gemv as kq  # noqa: E402
 from flashrt_ros.runtime.kernels import quant_gemv_configs  # noqa: E402

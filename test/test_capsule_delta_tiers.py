@@ -493,7 +493,7 @@ def test_on_cuda_an_eviction_stages_on_a_side_stream_and_reads_back_while_its_wr
 
 
 def test_bench_capsules_cli_reports_sharing_and_every_tier(tmp_path, capsys):
-    from flashrt_ros.runtime import cli
+    from flashrt_ros.tools import cli
     out = tmp_path / "bench.json"
     assert cli.main(["bench-capsules", "--context", "128", "--branches", "4", "--branch-tokens", "16",
                      "--repeats", "2", "--capsule-dir", str(tmp_path / "dir"), "--out", str(out)]) == 0

@@ -42,7 +42,7 @@ def test_local_node_reports_a_node_that_cannot_start(tmp_path):
 
 def test_bench_node_measures_every_row_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    done = run_module("flashrt_ros.bench_node", "--contexts", "16", "64", "--calls", "3", "--trials", "2",
+    done = run_module("flashrt_ros.tools.bench_node", "--contexts", "16", "64", "--calls", "3", "--trials", "2",
                       "--long-tokens", "48", "--burst-observations", "20", "--burst-calls", "10", "--burst-goals", "12",
                       "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr

@@ -2,7 +2,7 @@
 
 Loopback only. Counts: 500 observations published at full speed, 100 concurrent service calls, 30 concurrent
 ``~/generate`` goals (past the cap of goals in flight they are rejected, never left unanswered). The figures
-themselves (p50/p99) are the benchmark's (``flashrt_ros.bench_node``); here only the accounting is asserted.
+themselves (p50/p99) are the benchmark's (``flashrt_ros.tools.bench_node``); here only the accounting is asserted.
 """
 import time
 from pathlib import Path
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_PARAMS, RosClient, running_node, wait_for
 
-from flashrt_ros.bench_node import burst_goals, burst_observations, burst_services
+from flashrt_ros.tools.bench_node import burst_goals, burst_observations, burst_services
 from flashrt_ros.demo import local_node
 from flashrt_ros.ros_convert import SequenceGaps
 

@@ -14,7 +14,7 @@ import torch
 
 import bench_scripts
 from flashrt_ros.runtime import EngineConfig, ErrorCode, FlashRTError
-from flashrt_ros.runtime import bench_quant
+from flashrt_ros.tools import bench_quant
 
 train_tiny_lm = bench_scripts.load("train_tiny_lm")
 CONTEXT, FORCED = 48, 96

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from flashrt_ros.runtime import Engine, EngineConfig
-from flashrt_ros.runtime.cli import main
+from flashrt_ros.tools.cli import main
 
 
 def run(capsys, *argv):

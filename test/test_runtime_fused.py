@@ -11,7 +11,7 @@ import torch
 from capsule_helpers import plant_foreign_capsule
 from flashrt_ros.runtime import Engine, EngineConfig, FlashRTError, kernels
 from flashrt_ros.runtime.errors import ErrorCode
-from flashrt_ros.runtime.verify import prompt_tokens, verify
+from flashrt_ros.tools.verify import prompt_tokens, verify
 
 needs_triton = pytest.mark.skipif(kernels.triton is None, reason="triton is not installed")
 

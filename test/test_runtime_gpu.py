@@ -5,7 +5,7 @@ import torch
 
 from flashrt_ros.runtime import Engine, EngineConfig, kernels
 from flashrt_ros.runtime.checksum import checksum_torch
-from flashrt_ros.runtime.verify import prompt_tokens, verify
+from flashrt_ros.tools.verify import prompt_tokens, verify
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

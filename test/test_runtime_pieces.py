@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from flashrt_ros.runtime import Engine, EngineConfig
 from flashrt_ros.runtime.engine import _piece_bucket, _pieces
 from flashrt_ros.runtime.model import PIECE_BUCKET, SMALL_PIECE
-from flashrt_ros.runtime.verify import prompt_tokens
+from flashrt_ros.tools.verify import prompt_tokens
 
 
 @given(count=st.integers(0, 5000), chunk_log2=st.integers(0, 12))

@@ -15,10 +15,11 @@ import bench_scripts
 import hf_checkpoints as hf
 from capsule_helpers import plant_foreign_capsule
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError
-from flashrt_ros.runtime import bench_quant, quant
+from flashrt_ros.runtime import quant
 from flashrt_ros.runtime.kernels import quant_gemv as kq
 from flashrt_ros.runtime.kernels._triton import triton
-from flashrt_ros.runtime.verify import verify
+from flashrt_ros.tools import bench_quant
+from flashrt_ros.tools.verify import verify
 from kernel_checks import describe
 
 
@@ -576,7 +577,7 @@ def test_bench_quant_runs_every_format_side_by_side():
 
 
 def run_cli(capsys, *argv) -> tuple[int, dict]:
-    from flashrt_ros.runtime.cli import main
+    from flashrt_ros.tools.cli import main
     code = main(list(argv))
     return code, json.loads(capsys.readouterr().out)
 

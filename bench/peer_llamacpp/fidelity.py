@@ -93,7 +93,7 @@ def run(engine, binary: Path, prompt_len: int, gen: int, workdir: Path, ngl: int
         gguf_path: Path | None = None, reference: bool = False) -> dict:
     """Write the GGUF (unless given), run both sides, compare. ``engine`` fixes the weights, dtype and device. With
     ``reference`` (a bf16 engine), both sides are also measured against an fp32 engine on the same weights."""
-    from flashrt_ros.runtime.verify import prompt_tokens
+    from flashrt_ros.tools.verify import prompt_tokens
 
     started = time.perf_counter()
     outtype = "f32" if engine.config.dtype == "float32" else "bf16"

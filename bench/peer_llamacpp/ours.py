@@ -18,8 +18,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 
-from flashrt_ros.runtime import cli  # noqa: E402
-from flashrt_ros.runtime.bench import SUFFIX_LEN, bench_context, markdown_table  # noqa: E402
+from flashrt_ros.tools import cli  # noqa: E402
+from flashrt_ros.tools.bench import SUFFIX_LEN, bench_context, markdown_table  # noqa: E402
 from flashrt_ros.runtime.engine import Engine  # noqa: E402
 import fidelity  # noqa: E402
 

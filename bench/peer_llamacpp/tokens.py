@@ -9,8 +9,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flashrt_ros.runtime.bench import SUFFIX_LEN  # noqa: E402
-from flashrt_ros.runtime.verify import prompt_tokens  # noqa: E402
+from flashrt_ros.tools.bench import SUFFIX_LEN  # noqa: E402
+from flashrt_ros.tools.verify import prompt_tokens  # noqa: E402
 
 
 def write_tokens(path: Path, tokens) -> Path:

@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import quant
-from .config import PRESETS, ModelConfig
-from .engine import Engine, EngineConfig
-from .errors import ErrorCode, FlashRTError
-from .model import Qwen35
+from flashrt_ros.runtime import quant
+from flashrt_ros.runtime.config import PRESETS, ModelConfig
+from flashrt_ros.runtime.engine import Engine, EngineConfig
+from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
+from flashrt_ros.runtime.model import Qwen35
+
 from .timing import sync, timed
 from .verify import first_divergence, prompt_tokens
 

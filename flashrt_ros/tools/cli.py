@@ -1,4 +1,4 @@
-"""``flashrt-runtime`` (also ``python -m flashrt_ros.runtime``): generate, verify, bench. JSON on stdout."""
+"""``flashrt-runtime`` (also ``python -m flashrt_ros.tools``): generate, verify, bench. JSON on stdout."""
 from __future__ import annotations
 
 import argparse
@@ -8,11 +8,13 @@ import sys
 import tempfile
 import time
 
-from . import bench_capsules, bench_quant, quant
+from flashrt_ros.runtime import quant
+from flashrt_ros.runtime.engine import Engine, EngineConfig
+from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
+from flashrt_ros.runtime.sampler import SamplingParams
+
+from . import bench_capsules, bench_quant
 from .bench import bench_context, cold_prefill_profile, markdown_table
-from .engine import Engine, EngineConfig
-from .errors import ErrorCode, FlashRTError
-from .sampler import SamplingParams
 from .verify import verify
 
 

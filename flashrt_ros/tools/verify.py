@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from . import rng
-from .engine import Engine
+from flashrt_ros.runtime import rng
+from flashrt_ros.runtime.engine import Engine
+
 from .timing import timed
 
 

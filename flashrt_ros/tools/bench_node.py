@@ -12,7 +12,7 @@ Measures, over loopback DDS:
 
 Prints a markdown table and writes the raw figures as JSON (``--out``)::
 
-    python -m flashrt_ros.bench_node --model tiny --out bench_node.json
+    python -m flashrt_ros.tools.bench_node --model tiny --out bench_node.json
 """
 import argparse
 import json
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     if args.out:
         meta = {"model": args.model, "device": args.device, "max_context": max_context,
                 "machine": platform.platform(), "python": platform.python_version(),
-                "command": " ".join(["python -m flashrt_ros.bench_node", *(argv or sys.argv[1:])])}
+                "command": " ".join(["python -m flashrt_ros.tools.bench_node", *(argv or sys.argv[1:])])}
         args.out.write_text(json.dumps({"meta": meta, "results": rows, "bursts": bursts}, indent=2))
     return 0
 

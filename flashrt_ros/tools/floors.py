@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .engine import Engine
+from flashrt_ros.runtime.engine import Engine
+
 from .timing import timed
 
 

@@ -1,6 +1,6 @@
 """Benchmark: capsule file export and import against their floors, for a payload of a given size.
 
-    python -m flashrt_ros.runtime.bench_files --mib 243 --device cuda --dir /tmp/capsules [--key]
+    python -m flashrt_ros.tools.bench_files --mib 243 --device cuda --dir /tmp/capsules [--key]
 
 243 MiB is the 0.8B shape's capsule at 16k, 1240 MiB the 27B shape's. Export = ``write_capsule_file`` (device to
 host in chunks, SHA-256 or HMAC, write, fsync, rename); import = ``read_capsule_file`` (header checks, chunked read
@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from . import capsule_file
-from .capsules import Capsule, CapsuleInfo
-from .checksum import checksum
+from flashrt_ros.runtime import capsule_file
+from flashrt_ros.runtime.capsules import Capsule, CapsuleInfo
+from flashrt_ros.runtime.checksum import checksum
+
 from .timing import timed
 
 

@@ -9,10 +9,11 @@ import statistics
 
 import torch
 
+from flashrt_ros.runtime.checksum import checksum
+from flashrt_ros.runtime.engine import Engine
+from flashrt_ros.runtime.model import rope_inv_freq
+
 from . import floors
-from .checksum import checksum
-from .engine import Engine
-from .model import rope_inv_freq
 from .timing import timed
 from .verify import prompt_tokens
 

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from flashrt_ros.runtime.capsule_store import DISK, HOST
+from flashrt_ros.runtime.engine import Engine
+
 from . import bench_files
-from .capsule_store import DISK, HOST
-from .engine import Engine
 from .timing import timed
 from .verify import prompt_tokens
 
