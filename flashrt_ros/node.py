@@ -32,6 +32,7 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from flashrt_ros import ros_convert as conv
 from flashrt_ros.action import Generate
+from flashrt_ros.endpoints import REQUEST_QOS, diagnostics_name
 from flashrt_ros.engine_worker import EngineWorker
 from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
 from flashrt_ros.operations import OPERATIONS, Operation, resolve_type, services
@@ -50,10 +51,6 @@ MAX_GOALS_IN_FLIGHT = EXECUTOR_THREADS // 2
 # Events are an audit trail: keep them for late joiners (bag recorders) and never drop them.
 _EVENTS_QOS = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE,
                          durability=DurabilityPolicy.TRANSIENT_LOCAL)
-# Request queues of every service and of the action's goal/cancel/result services: a burst of this many requests
-# waits in DDS (reliable) until an executor thread takes it, instead of being dropped at the default depth of 10.
-REQUEST_QUEUE_DEPTH = 1000
-REQUEST_QOS = QoSProfile(depth=REQUEST_QUEUE_DEPTH, reliability=ReliabilityPolicy.RELIABLE)
 OUTPUT_DEPTH = 1000  # ~/tokens and ~/action history, so a slow subscriber sees a burst's answers
 
 
@@ -372,12 +369,6 @@ class FlashRTNode(Node):
         msg = DiagnosticArray(status=[status])
         msg.header.stamp = self.get_clock().now().to_msg()
         self._diagnostics_pub.publish(msg)
-
-
-def diagnostics_name(node_fqn: str) -> str:
-    """The /diagnostics status name of the node ``node_fqn`` (fully qualified, so two nodes of the
-    same name in different namespaces stay apart)."""
-    return f"{node_fqn}: engine"
 
 
 def _abort(goal_handle, result, error: FlashRTError):

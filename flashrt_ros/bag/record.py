@@ -21,8 +21,8 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rosbags.interfaces import Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
 
 from flashrt_ros.bag.bagfile import TOPICS, BagError, BagHeader, BagWriter
+from flashrt_ros.endpoints import diagnostics_name
 from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
-from flashrt_ros.node import diagnostics_name
 
 MSG_CLASSES = {"observation": Observation, "tokens": TokenChunk, "action": ActionChunk, "events": StateEvent}
 
