@@ -15,17 +15,16 @@ from dataclasses import dataclass, field, replace
 
 import rclpy.executors
 from rclpy.action import ActionClient
-from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rclpy.task import Future
 
 from flashrt_ros.action import Generate
+from flashrt_ros.endpoints import REQUEST_QOS
 from flashrt_ros.msg import Observation, TokenChunk
 from flashrt_ros.operations import resolve_type, services
 from flashrt_ros.srv import Hold
 
 # ~/<name> -> type, from the operations table (plus ~/hold, the replay's boundary placement)
 SERVICE_TYPES = {**{op.interface: resolve_type(op.ros_type) for op in services()}, "hold": Hold}
-REQUEST_QUEUE_DEPTH = 1000
 NOT_ACTIVE = 12  # msg/ErrorCode.NOT_ACTIVE: the lifecycle node is not active (yet)
 _KEPT_STREAMS = 4096  # finished streams nobody waited for are forgotten after this many (a burst fits)
 
@@ -143,15 +142,14 @@ class FlashRTClient:
         self.ns = ns
         self.timeout = timeout
         # deep queues, so a burst of requests and their answers is never dropped at the default depth of 10
-        reliable = QoSProfile(depth=REQUEST_QUEUE_DEPTH, reliability=ReliabilityPolicy.RELIABLE)
-        self._clients = {name: node.create_client(srv, f"{ns}/{name}", qos_profile=reliable)
+        self._clients = {name: node.create_client(srv, f"{ns}/{name}", qos_profile=REQUEST_QOS)
                          for name, srv in SERVICE_TYPES.items()}
-        self._action = ActionClient(node, Generate, f"{ns}/generate", goal_service_qos_profile=reliable,
-                                    result_service_qos_profile=reliable, cancel_service_qos_profile=reliable)
-        self._observations = node.create_publisher(Observation, f"{ns}/observation", reliable)
+        self._action = ActionClient(node, Generate, f"{ns}/generate", goal_service_qos_profile=REQUEST_QOS,
+                                    result_service_qos_profile=REQUEST_QOS, cancel_service_qos_profile=REQUEST_QOS)
+        self._observations = node.create_publisher(Observation, f"{ns}/observation", REQUEST_QOS)
         self._streams = _StreamCollector()
         self._tokens = node.create_subscription(TokenChunk, f"{ns}/tokens",
-                                                self._streams.on_chunk, reliable)
+                                                self._streams.on_chunk, REQUEST_QOS)
         self._last_stamp_ns = 0
         executor = rclpy.executors.SingleThreadedExecutor(context=node.context)
         executor.add_node(node)
