@@ -69,12 +69,12 @@ JAZZY_LOCK := requirements/jazzy-constraints.txt
 # python3.12 on PATH, else pyenv's 3.12 (CI machines have 3.12.1 there); empty where neither runs.
 JAZZY_PYTHON ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
-JAZZY_TESTS := test/test_packaging.py test/test_launch_file.py test/test_interfaces.py test/test_discretiser.py
+JAZZY_TESTS := test/packaging/test_packaging.py test/packaging/test_launch_file.py test/packaging/test_interfaces.py test/node/test_discretiser.py
 # Tests in those files that import torch or the node, or check the Kilted environment's installed set.
-JAZZY_DESELECT := test/test_packaging.py::test_requirements_pin_every_python_library_the_code_imports \
-	test/test_packaging.py::test_console_script_targets_exist[flashrt-runtime] \
-	test/test_packaging.py::test_console_script_targets_exist[flashrt_node] \
-	test/test_launch_file.py::test_readme_parameter_table_gives_each_range_the_node_enforces
+JAZZY_DESELECT := test/packaging/test_packaging.py::test_requirements_pin_every_python_library_the_code_imports \
+	test/packaging/test_packaging.py::test_console_script_targets_exist[flashrt-runtime] \
+	test/packaging/test_packaging.py::test_console_script_targets_exist[flashrt_node] \
+	test/packaging/test_launch_file.py::test_readme_parameter_table_gives_each_range_the_node_enforces
 
 test-jazzy:
 	$(if $(JAZZY_PYTHON),@$(MAKE) --no-print-directory jazzy-run,\

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "compile_kernels.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "compile_kernels.py"
 CUDA_BACKEND = importlib.util.find_spec("triton") is not None and \
     importlib.util.find_spec("triton.backends.nvidia") is not None
 

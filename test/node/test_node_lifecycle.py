@@ -16,7 +16,7 @@ from flashrt_ros.msg import ErrorCode, Observation, StateEvent, TokenChunk
 from flashrt_ros.params import PARAMETERS, read_settings
 from flashrt_ros.srv import ListCapsules, Snapshot
 
-CONFIG = Path(__file__).resolve().parent.parent / "config"
+CONFIG = Path(__file__).resolve().parents[2] / "config"
 
 
 def lifecycle_state(client) -> int:

@@ -35,7 +35,7 @@ from lifecycle_msgs.msg import Transition
 from flashrt_ros.msg import Observation
 from flashrt_ros.runtime import Engine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 URGENT = Observation.PRIORITY_URGENT
 LONG_TASK = " Describe every object on the table, its colour and where it stands." * 3
 
@@ -360,7 +360,7 @@ def test_a_behaviour_tree_session_replays_offline_and_live(planner_bag, ros_cont
 
 
 def test_a_bag_of_the_previous_format_is_refused_with_the_reason(capsys):
-    """test/fixtures/bag_format1 was written by flashrt_ros at 4e9f7a5 (test/fixtures/make_format1_bag.py)."""
-    assert replay(ROOT / "test" / "fixtures" / "bag_format1", "--offline") == 2
+    """test/bag/fixtures/bag_format1 was written by flashrt_ros at 4e9f7a5 (test/bag/fixtures/make_format1_bag.py)."""
+    assert replay(Path(__file__).resolve().parent / "fixtures" / "bag_format1", "--offline") == 2
     err = capsys.readouterr().err
     assert "bag format 1" in err and "record the session again" in err and "Traceback" not in err

@@ -23,7 +23,7 @@ from flashrt_ros.runtime.config import PRESETS
 from flashrt_ros.runtime.model import rope_inv_freq
 from flashrt_ros.runtime.weights import random_model
 
-PEER = Path(__file__).resolve().parents[1] / "bench" / "peer_llamacpp"
+PEER = Path(__file__).resolve().parents[2] / "bench" / "peer_llamacpp"
 SRC = PEER / "llama.cpp"
 BINARY = PEER / "build-cpu" / "bin" / "peer_timing"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from lifecycle_msgs.srv import GetState
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ROS2 = Path(sys.executable).with_name("ros2")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
        "AMENT_PREFIX_PATH": os.pathsep.join(p for p in (sys.prefix, os.environ.get("AMENT_PREFIX_PATH")) if p)}

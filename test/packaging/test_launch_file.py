@@ -13,7 +13,7 @@ import re
 import pytest
 import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LAUNCH_FILE = ROOT / "launch" / "flashrt.launch.py"
 ARGUMENTS = {"params_file", "namespace", "node_name", "autostart", "model", "device"}
 

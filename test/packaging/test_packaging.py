@@ -12,7 +12,7 @@ import sysconfig
 import pytest
 from catkin_pkg.package import parse_package
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = "flashrt_ros"
 
 

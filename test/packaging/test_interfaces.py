@@ -15,7 +15,7 @@ from rosidl_parser.definition import (AbstractNestedType, AbstractString, Abstra
 
 from flashrt_ros.runtime.errors import ErrorCode as RuntimeErrorCode
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = "flashrt_ros"
 
 
