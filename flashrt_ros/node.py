@@ -15,6 +15,7 @@ Lifecycle (rclpy.lifecycle, as in ros2/demos lifecycle_py):
 Callbacks never touch the engine: they submit work to the engine thread and wait on its future
 (``request_timeout_s``) in a reentrant callback group, spun by a MultiThreadedExecutor.
 """
+import dataclasses
 import queue
 import threading
 import time
@@ -177,7 +178,7 @@ class FlashRTNode(Node):
         except ValueError as e:
             return SetParametersResult(successful=False, reason=str(e))
         if worker is not None:
-            worker.submit(lambda s: s.set_sampling(sampling.temperature, sampling.top_p, sampling.top_k))
+            worker.submit(lambda s: s.set_sampling(**dataclasses.asdict(sampling)))
         return SetParametersResult(successful=True)
 
     # ---- engine output (runs on the engine thread) -------------------------------------------

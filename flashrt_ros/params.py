@@ -114,7 +114,7 @@ def _check_choices(values: dict) -> None:
 def _sampling(values: dict) -> SamplingParams:
     try:
         return SamplingParams(temperature=values["sampling.temperature"], top_k=values["sampling.top_k"],
-                              top_p=values["sampling.top_p"]).validate()
+                              top_p=values["sampling.top_p"])
     except FlashRTError as e:
         raise ValueError(f"sampling.{e.message}") from None
 

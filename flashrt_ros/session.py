@@ -287,7 +287,7 @@ class Session:
         discretiser.check_vocab(engine.vocab_size)
         self.engine = engine
         self.discretiser = discretiser
-        self.default_sampling = (default_sampling or SamplingParams()).validate()
+        self.default_sampling = default_sampling or SamplingParams()
         self.stream_chunk_tokens = stream_chunk_tokens
         self._emit = emit
         self._accepting = active
@@ -330,7 +330,7 @@ class Session:
 
         A running generation is preempted (kept resumable) once the observation is known to be valid.
         """
-        return self._observe("observe", observation, None, None, {})
+        return self._observe("observe", observation, {})
 
     def generate(self, observation: ObservationInput, override_sampling: bool = False, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, reseed: bool = False, seed: int = 0) -> Generation:
@@ -338,18 +338,19 @@ class Session:
         ``override_sampling``) and, with ``reseed``, the sampler reseeded to ``seed`` after ingestion."""
         fields = {"override_sampling": override_sampling, "temperature": temperature, "top_p": top_p,
                   "top_k": top_k, "reseed": reseed, "seed": seed}
-        sampling = SamplingParams(float(temperature), int(top_k), float(top_p)) if override_sampling else None
         if observation.max_new_tokens <= 0:
             return self._operation("generate", _raise(ErrorCode.INVALID_ARGUMENT,
                                                       "observation.max_new_tokens must be > 0"),
                                    {**fields, "observation": observation})
-        return self._observe("generate", observation, sampling, seed if reseed else None, fields)
+        return self._observe("generate", observation, fields)
 
-    def _observe(self, op: str, obs: ObservationInput, sampling: Optional[SamplingParams], seed: Optional[int],
-                 fields: dict) -> Optional[Generation]:
+    def _observe(self, op: str, obs: ObservationInput, fields: dict) -> Optional[Generation]:
+        """An observation, with a Generate goal's sampling and seed ``fields`` (none for a plain observation)."""
+        seed = fields["seed"] if fields.get("reseed") else None
+
         def run():  # every check before the running generation is preempted
             ids = self.engine.check_ingest(self._tokenise(obs))
-            params = (sampling or self.default_sampling).validate()
+            params = self._sampling(fields)
             if obs.max_new_tokens < 0:
                 raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "max_new_tokens must be >= 0")
             if seed is not None:
@@ -384,6 +385,14 @@ class Session:
         if not generating:
             return None
         return self._start(obs.max_new_tokens, params, obs.stamp_ns)
+
+    def _sampling(self, fields: dict) -> SamplingParams:
+        """The request's sampling, made (and so checked) once here: a Generate goal's own with
+        ``override_sampling``, else the node's defaults."""
+        if not fields.get("override_sampling"):
+            return self.default_sampling
+        return SamplingParams(temperature=float(fields["temperature"]), top_k=int(fields["top_k"]),
+                              top_p=float(fields["top_p"]))
 
     def observation_lost(self, count: int) -> Done:
         """Record that ``count`` observations never reached the engine (an 'observation_lost' event)."""
@@ -542,7 +551,7 @@ class Session:
         temperature, top_p = _float32(temperature), _float32(top_p)
 
         def run():
-            self.default_sampling = SamplingParams(temperature, int(top_k), top_p).validate()
+            self.default_sampling = SamplingParams(temperature=temperature, top_k=int(top_k), top_p=top_p)
             return Done()
         return self._operation("set_sampling", run, {"temperature": temperature, "top_p": top_p, "top_k": top_k},
                                needs_active=False)

@@ -355,7 +355,7 @@ class Engine:
                  stop_token_ids: Iterable[int] | None = None) -> Iterator[int]:
         """Validate now; then yield one token per commit boundary. Stop iterating at any time: the state stays
         consistent at the last yielded token. Ends early at a stop token or when the context is full."""
-        params = (sampling or SamplingParams()).validate()
+        params = sampling or SamplingParams()
         if max_new_tokens < 0:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"max_new_tokens must be >= 0, got {max_new_tokens}")
         self.check_generate()

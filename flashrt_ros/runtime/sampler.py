@@ -21,8 +21,11 @@ MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 100.0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
+    """How a request's tokens are drawn. Checked when made (INVALID_ARGUMENT), so one that exists is valid: it is
+    built once where a request enters (a Generate goal, the node's parameters, the CLI) and passed on unchecked.
+    Fields by name only: their order differs between this class, the messages and the parameters."""
     temperature: float = 0.0     # 0 = greedy
     top_k: int = 0               # 0 = off
     top_p: float = 1.0           # 1 = off
@@ -31,7 +34,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> "SamplingParams":
+    def __post_init__(self):
         if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"temperature must be 0 (greedy) or in "
                                                            f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {self.temperature}")
@@ -39,7 +42,6 @@ class SamplingParams:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"top_p must be in (0, 1], got {self.top_p}")
-        return self
 
 
 class Sampler:

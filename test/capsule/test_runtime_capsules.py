@@ -144,7 +144,8 @@ REFUSALS = {
     "generate-negative-count": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.generate(-1)),
     "generate-bad-temperature": (ErrorCode.INVALID_ARGUMENT,
                                  lambda e, d: e.generate(3, SamplingParams(temperature=-0.5))),
-    "generate-bad-top-p": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.generate(3, SamplingParams(1.0, 0, 0.0))),
+    "generate-bad-top-p": (ErrorCode.INVALID_ARGUMENT,
+                           lambda e, d: e.generate(3, SamplingParams(temperature=1.0, top_p=0.0))),
     "reseed-negative": (ErrorCode.INVALID_ARGUMENT, lambda e, d: e.reseed(-1)),
 }
 

@@ -84,7 +84,7 @@ def test_a_single_candidate_is_greedy(engine, params):
 
 def test_every_sampled_token_passes_the_top_k_and_top_p_filters(engine):
     temperature, top_k, top_p = 1.5, 20, 0.6
-    stream = engine.generate(15, SamplingParams(temperature, top_k, top_p), stop_token_ids=[])
+    stream = engine.generate(15, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), stop_token_ids=[])
     for _ in range(15):
         probs = (engine.next_token_logits() / temperature).softmax(-1)
         ordered, order = probs.sort(descending=True)
@@ -96,7 +96,7 @@ def test_every_sampled_token_passes_the_top_k_and_top_p_filters(engine):
 def sampler_frequencies(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
     """Empirical distribution of the sampler's draws from fixed logits (the counter advances per draw)."""
     sampler = Sampler(logits.numel(), torch.device("cpu"))
-    sampler.configure(params.validate())
+    sampler.configure(params)
     meta = torch.zeros(META_SLOTS, dtype=torch.int64)
     meta[RNG_SEED] = 11
     counts = torch.zeros(logits.numel())
@@ -128,15 +128,19 @@ def test_sampler_draws_follow_the_filtered_tempered_softmax(params):
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=math.nan), dict(temperature=101.0),
                                     dict(temperature=1.0, top_k=-1), dict(temperature=1.0, top_p=0.0),
                                     dict(temperature=1.0, top_p=1.5), dict(temperature=1.0, top_p=math.nan)])
-def test_invalid_sampling_params_are_refused_before_generating(engine, kwargs):
-    params = SamplingParams(**kwargs)
+def test_invalid_sampling_params_cannot_be_made(engine, kwargs):
+    """Refused when made, so no invalid value reaches the engine (which therefore does not check again)."""
     with pytest.raises(FlashRTError) as error:
-        params.validate()
-    assert error.value.code == ErrorCode.INVALID_ARGUMENT
-    with pytest.raises(FlashRTError) as error:
-        engine.generate(4, params)
+        SamplingParams(**kwargs)
     assert error.value.code == ErrorCode.INVALID_ARGUMENT
     assert engine.position == len(PROMPT)
+
+
+def test_sampling_params_are_made_by_field_name_only():
+    """The fields' order differs between SamplingParams (temperature, top_k, top_p), the Generate goal and the
+    parameters (temperature, top_p, top_k): positional arguments could swap top_k and top_p unseen."""
+    with pytest.raises(TypeError):
+        SamplingParams(1.0, 0.9, 5)
 
 
 def test_generate_needs_a_context():
