@@ -1,6 +1,9 @@
-"""Test helpers that reach into the capsule store (what bit rot in memory would do)."""
+"""Test helpers that reach into the capsule store (what bit rot in memory would do) and take capsule files apart."""
+import json
+
 import torch
 
+from flashrt_ros.runtime import capsule_file
 from flashrt_ros.runtime.capsule_store import opaque_rows, segment_bytes
 
 
@@ -24,3 +27,22 @@ def plant_foreign_capsule(engine, source, capsule_id: str) -> None:
     another model, so this is how a test reaches restore's own fingerprint check."""
     capsule = source.store.full_capsule(capsule_id)
     engine.store.add_rows(capsule.info, capsule.fingerprint, opaque_rows(capsule.data), lineage_parent="")
+
+
+def split(blob: bytes) -> tuple[dict, bytes]:
+    """(header fields, payload) of a format-2 file."""
+    _, _, length = capsule_file._PRELUDE.unpack_from(blob)
+    start = capsule_file._PRELUDE.size
+    payload = blob[start + length + capsule_file._TAG_BYTES:-capsule_file._TAG_BYTES]
+    return json.loads(blob[start:start + length]), payload
+
+
+def assemble(header: dict | bytes, payload: bytes, key: bytes | None = None) -> bytes:
+    """A well-formed file whose digests (or, with ``key``, HMACs) are computed over whatever it holds."""
+    encoded = header if isinstance(header, bytes) else json.dumps(header).encode()
+    prelude = capsule_file._PRELUDE.pack(capsule_file._MAGIC, capsule_file._VERSION, len(encoded))
+    header_mac = capsule_file._mac(key, capsule_file._HEADER_DOMAIN)
+    header_mac.update(prelude + encoded)
+    file_mac = capsule_file._mac(key, capsule_file._FILE_DOMAIN)
+    file_mac.update(prelude + encoded + header_mac.digest() + payload)
+    return prelude + encoded + header_mac.digest() + payload + file_mac.digest()

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capsule_helpers import flip_capsule_byte
+from capsule_helpers import assemble, flip_capsule_byte, split
 from flashrt_ros.runtime import Engine, ErrorCode, FlashRTError
 from flashrt_ros.runtime import capsule_file
 from flashrt_ros.runtime import checksum as checksum_module
@@ -45,25 +45,6 @@ def key_file(tmp_path_factory):
 
 
 # ---- the file as a forger sees it ---------------------------------------------------------------------------
-
-def split(blob: bytes) -> tuple[dict, bytes]:
-    """(header fields, payload) of a format-2 file."""
-    _, _, length = capsule_file._PRELUDE.unpack_from(blob)
-    start = capsule_file._PRELUDE.size
-    payload = blob[start + length + capsule_file._TAG_BYTES:-capsule_file._TAG_BYTES]
-    return json.loads(blob[start:start + length]), payload
-
-
-def assemble(header: dict | bytes, payload: bytes, key: bytes | None = None) -> bytes:
-    """A well-formed file whose digests (or, with ``key``, HMACs) are computed over whatever it holds."""
-    encoded = header if isinstance(header, bytes) else json.dumps(header).encode()
-    prelude = capsule_file._PRELUDE.pack(capsule_file._MAGIC, capsule_file._VERSION, len(encoded))
-    header_mac = capsule_file._mac(key, capsule_file._HEADER_DOMAIN)
-    header_mac.update(prelude + encoded)
-    file_mac = capsule_file._mac(key, capsule_file._FILE_DOMAIN)
-    file_mac.update(prelude + encoded + header_mac.digest() + payload)
-    return prelude + encoded + header_mac.digest() + payload + file_mac.digest()
-
 
 def edit_header(blob: bytes, **info) -> bytes:
     """The same file with info fields changed and its digests kept (not recomputed)."""
@@ -373,7 +354,7 @@ def test_a_cuda_capsule_round_trips_through_the_host_staging_buffer(tmp_path, mo
 
 RSS_SCRIPT = textwrap.dedent("""
     import json, os, resource, sys
-    from test_capsule_file import assemble, split
+    from capsule_helpers import assemble, split
     from test_runtime_capsules import CONFIG, PROMPT
     import dataclasses
     from flashrt_ros.runtime import Engine, EngineConfig, FlashRTError

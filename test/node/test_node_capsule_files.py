@@ -2,6 +2,7 @@
 files named by id in the node's folder, signed with its key, refusals that change nothing, persistence over a
 reconfigure (a new engine), and a key file that fails configure with the reason."""
 import pytest
+from capsule_helpers import assemble, split
 from conftest import TINY_PARAMS, RosClient, running_node, wait_for
 from lifecycle_msgs.msg import State, Transition
 from rclpy.parameter import Parameter
@@ -98,7 +99,6 @@ def test_a_file_from_another_robot_imports_and_continues_token_identically(clean
 
 def unsigned_copy(src, dst):
     """The file as an engine without a key would have written it."""
-    from test_capsule_file import assemble, split
     header, payload = split(src.read_bytes())
     dst.write_bytes(assemble({**header, "auth": "sha256"}, payload))
 
