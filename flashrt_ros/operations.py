@@ -13,6 +13,7 @@ live: the same fields as a service request). No ROS import here: types are named
 To add an operation: add its result type (if new) and one ``Operation`` row, and a Session method whose
 keyword arguments are the request's field names. Node, client and bag tools pick it up.
 """
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,6 +77,12 @@ class Operation:
 
 # Sampling fields of a Generate goal, carried by its 'generate' event under the same names.
 SAMPLING_FIELDS = ("override_sampling", "temperature", "top_p", "top_k", "reseed", "seed")
+
+
+def as_float32(value: float) -> float:
+    """``value`` as a float32 field of a request or event holds it (temperature and top_p are float32 in the Generate
+    goal and in StateEvent): sampling defaults are rounded so, so that an event holds exactly what is used."""
+    return struct.unpack("f", struct.pack("f", float(value)))[0]
 
 OPERATIONS: dict = {o.op: o for o in (
     Operation("observe", "topic", "observation", "flashrt_ros/msg/Observation", "observe", ("observation",)),

@@ -19,6 +19,7 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from flashrt_ros.discretiser import Discretiser
+from flashrt_ros.operations import as_float32
 from flashrt_ros.runtime import EngineConfig, FlashRTError, SamplingParams
 from flashrt_ros.runtime import quant
 
@@ -112,9 +113,11 @@ def _check_choices(values: dict) -> None:
 
 
 def _sampling(values: dict) -> SamplingParams:
+    """The sampling defaults as the Session will hold them (float32, as its 'set_sampling' event does), so a value
+    that rounds to an invalid one (top_p 1e-46 is 0 in float32) is refused here, with the parameter unchanged."""
     try:
-        return SamplingParams(temperature=values["sampling.temperature"], top_k=values["sampling.top_k"],
-                              top_p=values["sampling.top_p"])
+        return SamplingParams(temperature=as_float32(values["sampling.temperature"]), top_k=values["sampling.top_k"],
+                              top_p=as_float32(values["sampling.top_p"]))
     except FlashRTError as e:
         raise ValueError(f"sampling.{e.message}") from None
 

@@ -52,7 +52,6 @@ Rules the node relies on (each is tested in test/test_session.py):
   tokens, the first ``horizon * dims`` of them are decoded into one :class:`ActionOutput`, emitted
   after the final :class:`TokenOutput`.
 """
-import struct
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -61,7 +60,7 @@ from typing import Callable, Optional
 
 from flashrt_ros.discretiser import Discretiser
 from flashrt_ros.operations import (CapsuleResult, Done, DropResult, ListResult, PositionResult,
-                                    ResumeResult)
+                                    ResumeResult, as_float32)
 from flashrt_ros.runtime import (INTERRUPTED_PREFIX, ErrorCode, FlashRTError, SamplingParams,
                                  validate_client_capsule_id)
 
@@ -548,7 +547,7 @@ class Session:
 
         The values are rounded to float32, as a Generate goal's are, so that the event (float32 fields) holds
         exactly what is used and a replay samples with the same temperature."""
-        temperature, top_p = _float32(temperature), _float32(top_p)
+        temperature, top_p = as_float32(temperature), as_float32(top_p)
 
         def run():
             self.default_sampling = SamplingParams(temperature=temperature, top_k=int(top_k), top_p=top_p)
@@ -639,10 +638,6 @@ class Session:
                                position_after=self.engine.position,
                                latency_ms=(time.perf_counter() - start) * 1e3, success=success,
                                error_code=int(code), message=message, **fields))
-
-
-def _float32(value: float) -> float:
-    return struct.unpack("f", struct.pack("f", float(value)))[0]
 
 
 def _raise(code: ErrorCode, message: str):

@@ -74,6 +74,7 @@ def test_autostart_is_read_only(node_and_client, params):
 
 @pytest.mark.parametrize("name,value,reason", [
     ("sampling.top_p", 0.0, "sampling.top_p must be in (0, 1], got 0.0"),
+    ("sampling.top_p", 1e-46, "sampling.top_p must be in (0, 1], got 0.0"),  # in range, but 0 in float32
     ("sampling.top_p", 1.5, "out of range"),
     ("sampling.temperature", -1.0, "out of range"),
 ])
