@@ -110,6 +110,26 @@ def bench_context(engine: Engine, context: int, repeats: int, decode_tokens: int
         engine.drop("bench-s")
 
     delta_snapshot_ms = _time_ms(device, delta_snapshot, repeats)
+
+    def fork_capsule():
+        engine.fork("bench", capsule_id="bench-f")
+        engine.drop("bench-f")
+
+    fork_ms = _time_ms(device, fork_capsule, repeats)
+
+    def one_step_further():
+        list(engine.generate(1, stop_token_ids=()))
+
+    rollback_step_ms = _time_ms(device, lambda: engine.rollback(steps=1), repeats, setup=one_step_further)
+
+    def descendant_of_bench():
+        engine.restore("bench")
+        list(engine.generate(4, stop_token_ids=()))
+
+    rollback_capsule_ms = _time_ms(device, lambda: engine.rollback(capsule_id="bench"), repeats,
+                                   setup=descendant_of_bench)
+    if not torch.equal(engine.live_bytes(), engine.capsule_bytes("bench")):
+        raise RuntimeError("rollback to the capsule left live bytes that differ from the capsule's")
     restore_ms = _time_ms(device, lambda: engine.restore("bench"), repeats, setup=engine.reset)
     lineage_restore_ms = _time_ms(device, lambda: engine.restore("bench"), repeats)
     src = engine.capsule_bytes("bench")
@@ -140,6 +160,11 @@ def bench_context(engine: Engine, context: int, repeats: int, decode_tokens: int
         "restore_p50_ms": statistics.median(restore_ms), "restore_p99_ms": _p(restore_ms, 0.99),
         "delta_snapshot_p50_ms": statistics.median(delta_snapshot_ms),
         "lineage_restore_p50_ms": statistics.median(lineage_restore_ms),
+        "fork_p50_ms": statistics.median(fork_ms), "fork_p99_ms": _p(fork_ms, 0.99),
+        "rollback_step_p50_ms": statistics.median(rollback_step_ms),
+        "rollback_step_p99_ms": _p(rollback_step_ms, 0.99),
+        "rollback_capsule_p50_ms": statistics.median(rollback_capsule_ms),
+        "rollback_capsule_p99_ms": _p(rollback_capsule_ms, 0.99),
         "copy_floor_p50_ms": statistics.median(floor_ms),
         "checksum_p50_ms": statistics.median(checksum_ms),
         "cold_ttft_ms": statistics.median(cold_ms), "capsule_ttft_ms": statistics.median(capsule_ms),
@@ -195,6 +220,7 @@ def device_is_cuda(engine: Engine) -> bool:
 COLUMNS = [("context", "{}"), ("capsule_bytes", "{:,}"), ("snapshot_p50_ms", "{:.3f}"), ("snapshot_p99_ms", "{:.3f}"),
            ("restore_p50_ms", "{:.3f}"), ("restore_p99_ms", "{:.3f}"), ("copy_floor_p50_ms", "{:.3f}"),
            ("restore_over_floor", "{:.2f}"), ("delta_snapshot_p50_ms", "{:.3f}"), ("lineage_restore_p50_ms", "{:.3f}"),
+           ("fork_p50_ms", "{:.3f}"), ("rollback_step_p50_ms", "{:.3f}"), ("rollback_capsule_p50_ms", "{:.3f}"),
            ("checksum_p50_ms", "{:.3f}"), ("cold_ttft_ms", "{:.2f}"), ("capsule_ttft_ms", "{:.2f}"),
            ("ttft_speedup", "{:.1f}x"), ("decode_ms_per_token", "{:.2f}"), ("decode_floor_ms", "{:.3f}"),
            ("decode_over_floor", "{:.2f}"), ("gemv_graph_ms", "{:.3f}"), ("decode_over_gemv_graph", "{:.2f}"),

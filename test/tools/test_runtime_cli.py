@@ -63,4 +63,6 @@ def test_bench_writes_rows_with_consistent_ratios(capsys, tmp_path):
     assert row["capsule_bytes"] == engine.arena.live_nbytes(128)
     assert row["restore_over_floor"] == pytest.approx(row["restore_p50_ms"] / row["copy_floor_p50_ms"])
     assert row["ttft_speedup"] == pytest.approx(row["cold_ttft_ms"] / row["capsule_ttft_ms"])
+    for op in ("fork", "rollback_step", "rollback_capsule"):
+        assert 0 < row[f"{op}_p50_ms"] <= row[f"{op}_p99_ms"], op
     assert table.startswith("| context |")
