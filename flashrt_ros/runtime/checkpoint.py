@@ -243,9 +243,11 @@ class Checkpoint:
             return sl[start:stop] if len(info.shape) else sl[:]
 
     # ---- quantized modules ---------------------------------------------------------------------------------------
-    def stored_weight(self, module: str, n: int, k: int, check_only: bool = False) -> quant.QuantizedWeight | None:
+    def stored_weight(self, module: str, n: int, k: int, check_only: bool = False,
+                      keep_fp8: bool = False) -> quant.QuantizedWeight | None:
         """Module ``module``'s [N, K] weight as stored, in the engine's layout, exactly. Shapes and dtypes are checked
-        from the headers first; ``check_only``: only that."""
+        from the headers first; ``check_only``: only that. ``keep_fp8``: the fp8 kernels will run it, so its scales
+        must cover whole runs of :data:`~.kernels.quant_gemv.RUN` inputs (dequantising takes any block)."""
         s = self.scheme
         infos = {suffix: self.info(f"{module}.{suffix}") for suffix in s.suffixes()}
 
@@ -281,7 +283,7 @@ class Checkpoint:
         rows, cols = s.block
         expect(s.scale, ((-(-n // rows), -(-k // cols)),), scale_dtypes)
         group = math.gcd(cols, k)  # scale columns of ours that tile every stored block, the partial last one too
-        if group % kq.RUN:
+        if group % kq.RUN and keep_fp8:
             raise bad(f"K = {k} is not a multiple of the {cols}-wide blocks and the partial last block is not a "
                       f"multiple of {kq.RUN} inputs wide; the fp8 kernels cannot hold it exactly (load with "
                       f"weights_format dense or nvfp4 instead)")

@@ -126,13 +126,16 @@ class _Builder:
         return out
 
 
-def _parts(source, shape: tuple[int, ...], sources: list[tuple[str, int]], missing: list[str]) -> list[_Part]:
-    """The parts of one weight, each checked against the checkpoint's header (shape, dtype) before any is read."""
+def _parts(source, shape: tuple[int, ...], sources: list[tuple[str, int]], missing: list[str],
+           fmt: str) -> list[_Part]:
+    """The parts of one weight (``fmt``: its format), each checked against the checkpoint's header (shape, dtype)
+    before any is read."""
     parts = []
     for name, rows in sources:
         part = _Part(name, (rows, *shape[1:]), False)
         if part.module in source.quantized and name.endswith(".weight") and len(shape) == 2:
-            source.stored_weight(part.module, *part.shape, check_only=True)
+            source.stored_weight(part.module, *part.shape, check_only=True,
+                                 keep_fp8=fmt == "fp8" == source.scheme.fmt)
             part.stored = True
         elif name not in source.tensors:
             missing.append(name)
@@ -145,20 +148,20 @@ def _parts(source, shape: tuple[int, ...], sources: list[tuple[str, int]], missi
     return parts
 
 
-def _plan(model: Qwen35, source, targets: set[str]) -> list[tuple[str, tuple[int, ...], list[_Part], bool]]:
+def _plan(model: Qwen35, source, fmt: str, targets: set[str]) -> list[tuple[str, tuple[int, ...], list[_Part], bool]]:
     """(weight, shape, parts, quantized?) for every weight of the (fused, meta) model; every tensor of the source is
     located and checked, and every tensor of the checkpoint used, before anything is allocated."""
     fused, plan, missing = model.fused_parts(), [], []
     for name, param in model.named_parameters():
         if name == f"{quant.LM_HEAD}.weight" and quant.LM_HEAD in targets:
             continue                                   # built as the quantized head below
-        shape = tuple(param.shape)
-        parts = _parts(source, shape, fused.get(name, [(name, shape[0])]), missing)
-        plan.append((name, shape, parts, name.rpartition(".")[0] in targets))
+        shape, quantize = tuple(param.shape), name.rpartition(".")[0] in targets
+        parts = _parts(source, shape, fused.get(name, [(name, shape[0])]), missing, fmt if quantize else "dense")
+        plan.append((name, shape, parts, quantize))
     if quant.LM_HEAD in targets:
         shape = tuple(model.output_weight().shape)
         head = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else f"{quant.LM_HEAD}.weight"
-        plan.append((quant.LM_HEAD, shape, _parts(source, shape, [(head, shape[0])], missing), True))
+        plan.append((quant.LM_HEAD, shape, _parts(source, shape, [(head, shape[0])], missing, fmt), True))
     if missing:
         raise FlashRTError(ErrorCode.LOAD_FAILED, f"{source.folder}: checkpoint lacks {len(missing)} tensor(s), e.g. "
                                                   f"{missing[:3]}")
@@ -177,7 +180,7 @@ def _build(cfg: ModelConfig, source, device: torch.device, dtype: torch.dtype, f
     with torch.device("meta"):
         model = Qwen35(cfg)
     model.fuse_projections()
-    plan = _plan(model, source, set(quant.targets(model, fmt, exclude)))
+    plan = _plan(model, source, fmt, set(quant.targets(model, fmt, exclude)))
     builder = _Builder(source, device, dtype)
     with torch.no_grad():
         for name, shape, parts, quantize in plan:
