@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hf_checkpoints as hf
-from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError
+from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, checkpoint_writer, memory_peak, weights
 
 
 def load(folder, **overrides) -> Engine:
@@ -187,3 +187,123 @@ def test_cuda_without_a_gpu_is_a_load_failure():
     with pytest.raises(FlashRTError) as error:
         Engine(EngineConfig(model="tiny", device="cuda", max_context=64))
     assert error.value.code == ErrorCode.LOAD_FAILED
+
+
+# ---- memory while loading ------------------------------------------------------------------------------------------
+SLICE = 1 << 10              # values per slice in these tests: the bound below scales with it, not with the model
+BYTES_PER_SLICE_VALUE = 48   # what one sliced value costs in temporaries (int64 index, fp32 values, conversions)
+
+
+def final_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    monkeypatch.setattr(weights, "ELEMENTS_PER_SLICE", SLICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
+def test_a_preset_loads_in_its_final_size_plus_one_slice(fmt, dtype, small_slices):
+    """No float32 model, no second copy while fusing or quantizing: every byte allocated while loading beyond the
+    final weights is a temporary of one slice. (Materialising the model in float32 first, then casting and fusing,
+    allocates several times the final size: this fails on that code.)"""
+    model, peak, _, _ = memory_peak.measure(
+        lambda: weights.load("tiny", torch.device("cpu"), dtype, 0, fmt)[0], torch.device("cpu"))
+    assert peak - final_bytes(model) <= BYTES_PER_SLICE_VALUE * SLICE, (peak, final_bytes(model))
+
+
+def test_a_sharded_checkpoint_loads_in_its_final_size_plus_one_slice(tmp_path, small_slices):
+    folder = checkpoint_writer.write("tiny", tmp_path / "sharded", "dense", shard_bytes=60_000)
+    assert len(list(folder.glob("model-*.safetensors"))) > 3
+    for fmt in ("dense", "nvfp4"):
+        model, peak, _, _ = memory_peak.measure(
+            lambda: weights.load(str(folder), torch.device("cpu"), torch.bfloat16, 0, fmt)[0], torch.device("cpu"))
+        assert peak - final_bytes(model) <= BYTES_PER_SLICE_VALUE * SLICE, (fmt, peak, final_bytes(model))
+
+
+# ---- bad checkpoints: LOAD_FAILED naming the file and the tensor, nothing left allocated ---------------------------
+def sharded(tmp_path):
+    return checkpoint_writer.write("tiny", tmp_path / "sharded", "dense", shard_bytes=60_000)
+
+
+def truncate_a_shard(folder):
+    shard = sorted(folder.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    return shard.name, "truncated"
+
+
+def index_names_a_tensor_its_shard_lacks(folder):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    first = sorted(folder.glob("model-*.safetensors"))[0].name
+    name = next(n for n, f in index["weight_map"].items() if f != first)
+    index["weight_map"][name] = first
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return first, name
+
+
+def tensor_of_an_integer_dtype(folder):
+    name = "model.layers.0.input_layernorm.weight"
+    shard = folder / json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, shard)
+    return shard.name, name
+
+
+def config_that_disagrees_with_the_tensors(folder):
+    edit_config(folder, intermediate_size=96)
+    return "model-", "model.layers.0.mlp.", "the config implies"
+
+
+def index_naming_a_missing_file(folder):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "model-00099-of-00099.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return "model-00099-of-00099.safetensors", "missing"
+
+
+BREAKAGES = [truncate_a_shard, index_names_a_tensor_its_shard_lacks, tensor_of_an_integer_dtype,
+             config_that_disagrees_with_the_tensors, index_naming_a_missing_file]
+
+
+def attempt(folder, fmt="dense"):
+    """The failed load's (code, message), with its traceback (and every frame's tensors) already released."""
+    try:
+        weights.load(str(folder), torch.device("cpu"), torch.bfloat16, 0, fmt)
+    except FlashRTError as err:
+        return err.code, err.message
+    return None, "loaded"
+
+
+@pytest.mark.parametrize("breakage", BREAKAGES, ids=lambda b: b.__name__)
+def test_a_bad_checkpoint_fails_naming_file_and_tensor_and_leaves_nothing_allocated(breakage, tmp_path):
+    folder = sharded(tmp_path)
+    fragments = breakage(folder)
+    (code, message), _, left = memory_peak.retained(lambda: attempt(folder))
+    assert code == ErrorCode.LOAD_FAILED and all(f in message for f in fragments), message
+    assert left == 0
+
+
+def test_an_io_error_mid_load_fails_naming_the_tensor_frees_what_was_built_and_a_retry_loads(tmp_path, monkeypatch):
+    """A shard that becomes unreadable after its header was checked (pulled disk, NFS hiccup): some weights are
+    already built when it fails; they are all freed, and loading again works."""
+    from flashrt_ros.runtime import checkpoint
+    folder = sharded(tmp_path)
+    real, calls = checkpoint.mmap.mmap, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 20:
+            raise OSError(5, "Input/output error")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(checkpoint.mmap, "mmap", flaky)
+    (code, message), peak, left = memory_peak.retained(lambda: attempt(folder, "nvfp4"))
+    assert code == ErrorCode.LOAD_FAILED and "Input/output error" in message and "reading tensor" in message
+    assert ".safetensors" in message
+    assert peak > 0 and left == 0
+    monkeypatch.setattr(checkpoint.mmap, "mmap", real)
+    model, _ = weights.load(str(folder), torch.device("cpu"), torch.bfloat16, 0, "nvfp4")
+    preset, _ = weights.load("tiny", torch.device("cpu"), torch.bfloat16, 0, "nvfp4")
+    assert weights.weights_digest(model) == weights.weights_digest(preset)

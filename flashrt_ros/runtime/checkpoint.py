@@ -1,6 +1,6 @@
 """Reading a local HF checkpoint folder tensor by tensor: ``model.safetensors`` or shards named by
-``model.safetensors.index.json``, memory-mapped through ``safetensors.safe_open`` and read in row slices, so host
-memory holds one slice at a time. Every shard's header is checked (and every tensor located) before anything is
+``model.safetensors.index.json``, memory-mapped and read in row slices (straight from the safetensors layout: a
+header, then each tensor's bytes), so host memory holds one slice at a time. Every shard's header is checked (and every tensor located) before anything is
 read, so a truncated shard or an index naming a missing file fails before a byte of the model is allocated.
 
 Pre-quantized projections are read as :class:`~.quant.QuantizedWeight` in the engine's layout, exactly (the stored
@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import math
+import mmap
 from pathlib import Path
 
 import torch
@@ -151,6 +152,7 @@ class TensorInfo:
     raw_name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    offset: int                            # of its first byte in the file
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
@@ -159,15 +161,34 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
                        "BOOL": torch.bool}
 
 
-def _open(path: Path):
-    from safetensors import safe_open
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as err:     # safetensors' own error type for truncated / corrupt headers
-        raise failed(f"{path}: not a readable safetensors file ({err})") from None
+def _header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header and where its data starts, with every tensor's byte range checked against the
+    file's size (a truncated or corrupt shard fails here, naming the file and the first tensor it cuts)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 0 or 8 + length > size:
+            raise failed(f"{path}: not a safetensors file (truncated header)")
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise failed(f"{path}: not a safetensors file (header: {err})") from None
+    header.pop("__metadata__", None)
+    for raw, entry in header.items():
+        begin, end = entry["data_offsets"]
+        if 8 + length + end > size:
+            raise failed(f"{path.name}: truncated: tensor {raw!r} ends at byte {8 + length + end}, the file has {size}")
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise failed(f"{path.name}: tensor {raw!r} has unsupported dtype {entry['dtype']}")
+        expected = math.prod(entry["shape"]) * _SAFETENSORS_DTYPES[entry["dtype"]].itemsize
+        if end - begin != expected:
+            raise failed(f"{path.name}: tensor {raw!r} holds {end - begin} bytes, its shape and dtype need {expected}")
+    return header, 8 + length
 
 
-def shard_files(folder: Path) -> list[Path]:
+def shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The checkpoint's files, and the index's tensor -> file map when it is sharded."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -178,10 +199,10 @@ def shard_files(folder: Path) -> list[Path]:
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise failed(f"{folder}: shard(s) listed in the index are missing: {missing}")
-        return [folder / s for s in shards]
+        return [folder / s for s in shards], weight_map
     single = folder / "model.safetensors"
     if single.is_file():
-        return [single]
+        return [single], None
     raise failed(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
@@ -192,19 +213,21 @@ class Checkpoint:
         self.folder = folder
         self.scheme = read_scheme(folder, config)
         self.tensors: dict[str, TensorInfo] = {}
-        for path in shard_files(folder):
-            with _open(path) as f:
-                for raw in f.keys():
-                    name = canonical_name(raw)
-                    if name is None or (name.startswith("mtp.") and not mtp):
-                        continue
-                    if name.rsplit(".", 1)[-1] in _ACTIVATION_TENSORS:
-                        continue      # weight-only: see the module docstring (the config's scheme was warned about)
-                    sl = f.get_slice(raw)
-                    dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
-                    if dtype is None:
-                        raise failed(f"{path.name}: tensor {raw!r} has unsupported dtype {sl.get_dtype()}")
-                    self.tensors[name] = TensorInfo(path, raw, tuple(sl.get_shape()), dtype)
+        files, weight_map = shard_files(folder)
+        for path in files:
+            header, data_start = _header(path)
+            claimed = {raw for raw, file in (weight_map or {}).items() if file == path.name}
+            if claimed - set(header):
+                raise failed(f"{folder / 'model.safetensors.index.json'}: names tensor {sorted(claimed - set(header))[0]!r} "
+                             f"in {path.name}, which does not hold it")
+            for raw, entry in header.items():
+                name = canonical_name(raw)
+                if name is None or (name.startswith("mtp.") and not mtp):
+                    continue
+                if name.rsplit(".", 1)[-1] in _ACTIVATION_TENSORS:
+                    continue          # weight-only: see the module docstring (the config's scheme was warned about)
+                self.tensors[name] = TensorInfo(path, raw, tuple(entry["shape"]), _SAFETENSORS_DTYPES[entry["dtype"]],
+                                                data_start + entry["data_offsets"][0])
         self.quantized = self._quantized_modules()
 
     def _quantized_modules(self) -> set[str]:
@@ -235,12 +258,21 @@ class Checkpoint:
         """The checkpoint tensors a module stored quantized is read from."""
         return [f"{module}.{s}" for s in self.scheme.suffixes()]
 
-    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows ``start:stop`` of a tensor, as stored (the file is mapped only while they are read)."""
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor as stored, copied out of the memory-mapped file (mapped only meanwhile)."""
         info = self.info(name)
-        with _open(info.path) as f:
-            sl = f.get_slice(info.raw_name)
-            return sl[start:stop] if len(info.shape) else sl[:]
+        stop = info.shape[0] if stop is None and info.shape else (stop or 0)
+        row = math.prod(info.shape[1:]) if info.shape else 1
+        count = (stop - start) * row if info.shape else 1
+        try:
+            with open(info.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+                view = torch.frombuffer(mapped, dtype=info.dtype, count=count,
+                                        offset=info.offset + start * row * info.dtype.itemsize)
+                out = view.clone().view(stop - start, *info.shape[1:]) if info.shape else view.clone().view(())
+                del view
+        except (OSError, ValueError) as err:        # the file changed or vanished since its header was checked
+            raise failed(f"{info.path.name}: reading tensor {info.raw_name!r} failed: {err}") from None
+        return out
 
     # ---- quantized modules ---------------------------------------------------------------------------------------
     def stored_weight(self, module: str, n: int, k: int, check_only: bool = False,
