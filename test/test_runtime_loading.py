@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import bench_scripts
 import hf_checkpoints as hf
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, checkpoint_writer, memory_peak, weights
 
@@ -307,3 +308,24 @@ def test_an_io_error_mid_load_fails_naming_the_tensor_frees_what_was_built_and_a
     model, _ = weights.load(str(folder), torch.device("cpu"), torch.bfloat16, 0, "nvfp4")
     preset, _ = weights.load("tiny", torch.device("cpu"), torch.bfloat16, 0, "nvfp4")
     assert weights.weights_digest(model) == weights.weights_digest(preset)
+
+
+def test_the_load_benchmark_writes_a_folder_then_measures_loading_it(tmp_path):
+    """bench/load_memory.py on the CPU: a synthetic fp8 folder of the tiny preset, then a load from it."""
+    bench = bench_scripts.load("load_memory")
+    folder = tmp_path / "tiny-fp8"
+    assert bench.main(["--write-checkpoint", str(folder), "--model", "tiny", "--checkpoint-format", "fp8",
+                       "--shard-gb", "0.0001"]) == 0
+    assert len(list(folder.glob("model-*.safetensors"))) > 1
+    out = tmp_path / "load.json"
+    assert bench.main(["--model", str(folder), "--format", "fp8", "--max-context", "256", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    model, _ = weights.load(str(folder), torch.device("cpu"), torch.bfloat16, 0, "fp8")
+    assert result["final_weight_bytes"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert result["arena_bytes"] == Engine(EngineConfig(model=str(folder), max_context=256, dtype="bfloat16")).arena_bytes
+    assert result["disk_bytes"] == sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    assert result["checkpoint_scheme"] == "fp8 (block-wise, weight_scale_inv)" and result["source"] == "folder"
+    assert result["peak_device_bytes"] >= result["final_weight_bytes"] + result["arena_bytes"]
+    assert result["peak_over_final"] == result["peak_device_bytes"] / (result["final_weight_bytes"]
+                                                                      + result["arena_bytes"])
+    assert result["disk_gb_per_s"] > 0 and result["device"] == "cpu" and result["torch"] == torch.__version__

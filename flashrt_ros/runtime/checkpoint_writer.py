@@ -74,9 +74,10 @@ def nvfp4_packed(w: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 ENCODERS = {"fp8": fp8_blocks, "nvfp4": nvfp4_packed}
+FORMATS = ("dense", *ENCODERS)
 
 
-def _tensors(cfg: ModelConfig, fmt: str, seed: int):
+def _tensors(cfg: ModelConfig, fmt: str, seed: int, device: torch.device):
     """(HF name, shape) of every tensor, then a function producing its stored tensors {name: tensor}."""
     with torch.device("meta"):
         model = Qwen35(cfg)
@@ -85,24 +86,26 @@ def _tensors(cfg: ModelConfig, fmt: str, seed: int):
         shape = tuple(param.shape)
 
         def produce(name=name, shape=shape):
-            w = random_rows(name, shape, 0, shape[0], seed, DTYPE, torch.device("cpu"))
+            w = random_rows(name, shape, 0, shape[0], seed, DTYPE, device)
             if fmt == "dense" or name not in linears:
-                return {name: w}
+                return {name: w.cpu()}
             module = name[:-len(".weight")]
-            return {f"{module}.{suffix}": t for suffix, t in ENCODERS[fmt](w).items()}
+            return {f"{module}.{suffix}": t.cpu() for suffix, t in ENCODERS[fmt](w).items()}
         stored_bytes = math.prod(shape) * (2 if fmt == "dense" or name not in linears else 1)
         yield name, stored_bytes, produce
 
 
-def write(preset: str, folder: Path, fmt: str = "dense", seed: int = 0, shard_bytes: int = 2 << 30) -> Path:
-    """Write the preset's checkpoint in ``fmt`` to ``folder`` (shards of about ``shard_bytes``, an index)."""
+def write(preset: str, folder: Path, fmt: str = "dense", seed: int = 0, shard_bytes: int = 2 << 30,
+          device: torch.device = torch.device("cpu")) -> Path:
+    """Write the preset's checkpoint in ``fmt`` to ``folder`` (shards of about ``shard_bytes``, an index); the
+    weights are generated and encoded on ``device``."""
     from safetensors.torch import save_file
 
     cfg = PRESETS[preset]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     plan, shard, size = [], [], 0          # shards of tensor producers, by estimated bytes
-    for name, nbytes, produce in _tensors(cfg, fmt, seed):
+    for name, nbytes, produce in _tensors(cfg, fmt, seed, device):
         if shard and size + nbytes > shard_bytes:
             plan.append(shard)
             shard, size = [], 0
