@@ -159,8 +159,7 @@ def random_weight(fmt: str, n: int, k: int, g_: torch.Generator) -> quant.Quanti
     """``fp8-block``: fp8 codes with 128 x 128 block scales, as a block-scaled checkpoint stores them."""
     if fmt == "fp8-block":
         q = torch.randn(n, k, generator=g_).mul(50).to(torch.float8_e4m3fn)
-        blocks = torch.rand(-(-n // 128), k // 128, generator=g_)
-        return quant.QuantizedWeight("fp8", q, blocks.repeat_interleave(128, dim=0)[:n].contiguous())
+        return quant.fp8_from_blocks(q, torch.rand(-(-n // 128), k // 128, generator=g_), 128, 128)
     return quant.QUANTIZERS[fmt](torch.randn(n, k, generator=g_) * torch.rand(n, 1, generator=g_))
 
 
@@ -358,7 +357,7 @@ def test_quant_linear_takes_the_fused_gemv_up_to_its_rows_and_a_gemm_beyond(monk
     assert quant.QuantLinear(weight, use_triton=False)(x).shape == (kq.GEMV_MAX_ROWS + 1, 16)
 
 
-# ---- quantize_model ------------------------------------------------------------------------------------------------
+# ---- what each format quantizes ------------------------------------------------------------------------------------
 def quant_layers(engine: Engine) -> dict[str, str]:
     return {n: m.fmt for n, m in engine.model.named_modules() if isinstance(m, quant.QuantLinear)}
 

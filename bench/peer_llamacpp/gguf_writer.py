@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(HERE.parents[1]))
     from flashrt_ros.runtime.engine import _DTYPES
-    from flashrt_ros.runtime.weights import random_model
+    from flashrt_ros.runtime import weights
     import torch
 
     parser = argparse.ArgumentParser(description="write a preset's seeded weights as a qwen35 GGUF")
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     started = time.perf_counter()
     with torch.no_grad():
-        model = random_model(args.model, torch.device(args.device), _DTYPES[args.dtype], args.seed)
+        model, _ = weights.load(args.model, torch.device(args.device), _DTYPES[args.dtype], args.seed)
     summary = write_gguf(model, args.out, "bf16" if args.dtype == "bfloat16" else "f32")
     summary["seconds"] = time.perf_counter() - started
     print(json.dumps(summary))

@@ -1,7 +1,8 @@
 """Reading a local HF checkpoint folder tensor by tensor: ``model.safetensors`` or shards named by
 ``model.safetensors.index.json``, memory-mapped and read in row slices (straight from the safetensors layout: a
-header, then each tensor's bytes), so host memory holds one slice at a time. Every shard's header is checked (and every tensor located) before anything is
-read, so a truncated shard or an index naming a missing file fails before a byte of the model is allocated.
+header, then each tensor's bytes), so host memory holds one slice at a time. Every shard's header is checked (and
+every tensor located) before anything is read, so a truncated shard or an index naming a missing file fails before
+a byte of the model is allocated.
 
 Pre-quantized projections are read as :class:`~.quant.QuantizedWeight` in the engine's layout, exactly (the stored
 codes as they are, scales repeated over the rows and inputs they cover). Schemes, from ``config.json``'s
@@ -217,9 +218,10 @@ class Checkpoint:
         for path in files:
             header, data_start = _header(path)
             claimed = {raw for raw, file in (weight_map or {}).items() if file == path.name}
-            if claimed - set(header):
-                raise failed(f"{folder / 'model.safetensors.index.json'}: names tensor {sorted(claimed - set(header))[0]!r} "
-                             f"in {path.name}, which does not hold it")
+            absent = sorted(claimed - set(header))
+            if absent:
+                raise failed(f"{folder / 'model.safetensors.index.json'}: names tensor {absent[0]!r} in {path.name}, "
+                             f"which does not hold it")
             for raw, entry in header.items():
                 name = canonical_name(raw)
                 if name is None or (name.startswith("mtp.") and not mtp):
@@ -314,13 +316,11 @@ class Checkpoint:
             return quant.QuantizedWeight("fp8", self.read(f"{module}.{s.codes}"), scale)
         rows, cols = s.block
         expect(s.scale, ((-(-n // rows), -(-k // cols)),), scale_dtypes)
-        group = math.gcd(cols, k)  # scale columns of ours that tile every stored block, the partial last one too
+        group = quant.fp8_block_group(cols, k)
         if group % kq.RUN and keep_fp8:
             raise bad(f"K = {k} is not a multiple of the {cols}-wide blocks and the partial last block is not a "
                       f"multiple of {kq.RUN} inputs wide; the fp8 kernels cannot hold it exactly (load with "
                       f"weights_format dense or nvfp4 instead)")
         if check_only:
             return None
-        blocks = self.read(f"{module}.{s.scale}").float()
-        scale = blocks.repeat_interleave(rows, dim=0)[:n].repeat_interleave(cols // group, dim=1)[:, :k // group]
-        return quant.QuantizedWeight("fp8", self.read(f"{module}.{s.codes}"), scale.contiguous())
+        return quant.fp8_from_blocks(self.read(f"{module}.{s.codes}"), self.read(f"{module}.{s.scale}"), rows, cols)

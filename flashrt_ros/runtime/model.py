@@ -238,7 +238,7 @@ class Qwen35(nn.Module):
 
     def logits(self) -> torch.Tensor:
         """Next-token logits (fp32) from the last hidden state in the arena (through the quantized LM head that
-        ``quant.quantize_model`` sets, if any)."""
+        ``weights.load`` builds, if any)."""
         head = getattr(self, "quantized_head", None)
         if head is not None:
             return head(self.arena["hidden"]).float()

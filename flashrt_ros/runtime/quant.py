@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,20 @@ class QuantizedWeight:
         self.scale.copy_(src.scale.repeat_interleave(src.group // self.group, dim=1))
         if self.row_scale is not None:
             self.row_scale.copy_(src.row_scale)
+
+
+def fp8_block_group(cols: int, k: int) -> int:
+    """Inputs per scale of ours that tile blocks ``cols`` wide over K inputs, the partial last block too."""
+    return math.gcd(cols, k)
+
+
+def fp8_from_blocks(q: torch.Tensor, blocks: torch.Tensor, rows: int, cols: int) -> QuantizedWeight:
+    """fp8 codes [N, K] with one scale per ``rows`` x ``cols`` block (edge blocks partial), exactly: each block's
+    scale repeated over its rows and over the groups (:func:`fp8_block_group`) that tile its inputs."""
+    n, k = q.shape
+    group = fp8_block_group(cols, k)
+    scale = blocks.float().repeat_interleave(rows, dim=0)[:n].repeat_interleave(cols // group, dim=1)[:, :k // group]
+    return QuantizedWeight("fp8", q, scale.contiguous())
 
 
 def _row_slices(w: torch.Tensor):

@@ -170,8 +170,8 @@ def _plan(model: Qwen35, source, fmt: str, targets: set[str]) -> list[tuple[str,
     unexpected = sorted(set(source.tensors) - used)
     if unexpected:
         info = source.info(unexpected[0])
-        raise FlashRTError(ErrorCode.LOAD_FAILED, f"{info.path.name}: unexpected tensor {info.raw_name!r}"
-                                                  + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise FlashRTError(ErrorCode.LOAD_FAILED, f"{info.path.name}: unexpected tensor {info.raw_name!r}{more}")
     return plan
 
 
