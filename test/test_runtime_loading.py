@@ -287,24 +287,45 @@ def test_a_bad_checkpoint_fails_naming_file_and_tensor_and_leaves_nothing_alloca
     assert left == 0
 
 
-def test_an_io_error_mid_load_fails_naming_the_tensor_frees_what_was_built_and_a_retry_loads(tmp_path, monkeypatch):
-    """A shard that becomes unreadable after its header was checked (pulled disk, NFS hiccup): some weights are
-    already built when it fails; they are all freed, and loading again works."""
-    from flashrt_ros.runtime import checkpoint
-    folder = sharded(tmp_path)
-    real, calls = checkpoint.mmap.mmap, []
+def failing_after(calls: int, make_error, real):
+    """``real``, except that call number ``calls`` raises ``make_error()``."""
+    count = []
 
     def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 20:
-            raise OSError(5, "Input/output error")
+        count.append(1)
+        if len(count) == calls:
+            raise make_error()
         return real(*args, **kwargs)
-    monkeypatch.setattr(checkpoint.mmap, "mmap", flaky)
-    (code, message), peak, left = memory_peak.retained(lambda: attempt(folder, "nvfp4"))
-    assert code == ErrorCode.LOAD_FAILED and "Input/output error" in message and "reading tensor" in message
-    assert ".safetensors" in message
+    return flaky
+
+
+def kept_error(folder, fmt):
+    """The failed load's error, kept (as a caller that logs it later would) with whatever it references."""
+    try:
+        weights.load(str(folder), torch.device("cpu"), torch.bfloat16, 0, fmt)
+    except FlashRTError as err:
+        return err
+    return None
+
+
+@pytest.mark.parametrize("where,error,fragment", [
+    ("mmap", lambda: OSError(5, "Input/output error"), "Input/output error"),      # a shard unreadable mid-load
+    ("quantize", lambda: torch.OutOfMemoryError("CUDA out of memory"), "out of memory on cpu building"),
+])
+def test_a_failure_mid_load_frees_what_was_built_and_a_retry_loads(tmp_path, monkeypatch, where, error, fragment):
+    """Some weights are already built when it fails (a pulled disk, NFS hiccup, the device running out): the error
+    names what failed and holds none of them, even kept, and loading again works."""
+    from flashrt_ros.runtime import checkpoint, quant
+    folder = sharded(tmp_path)
+    target, attr = (checkpoint.mmap, "mmap") if where == "mmap" else (quant, "quantize_nvfp4")
+    real = getattr(target, attr)
+    monkeypatch.setattr(target, attr, failing_after(20, error, real))
+    err, peak, left = memory_peak.retained(lambda: kept_error(folder, "nvfp4"))
+    assert err.code == ErrorCode.LOAD_FAILED and fragment in err.message, err.message
+    assert ("reading tensor" in err.message and ".safetensors" in err.message) if where == "mmap" else \
+        "model." in err.message
     assert peak > 0 and left == 0
-    monkeypatch.setattr(checkpoint.mmap, "mmap", real)
+    monkeypatch.setattr(target, attr, real)
     model, _ = weights.load(str(folder), torch.device("cpu"), torch.bfloat16, 0, "nvfp4")
     preset, _ = weights.load("tiny", torch.device("cpu"), torch.bfloat16, 0, "nvfp4")
     assert weights.weights_digest(model) == weights.weights_digest(preset)

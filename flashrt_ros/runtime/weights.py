@@ -184,20 +184,29 @@ def _build(cfg: ModelConfig, source, device: torch.device, dtype: torch.dtype, f
     builder = _Builder(source, device, dtype)
     with torch.no_grad():
         for name, shape, parts, quantize in plan:
-            if not quantize:
-                module, _, leaf = name.rpartition(".")
-                model.get_submodule(module)._parameters[leaf] = nn.Parameter(builder.dense(shape, parts),
-                                                                            requires_grad=False)
-                continue
-            layer = quant.QuantLinear(builder.quantized(fmt, *shape, parts), use_triton)
-            if name == quant.LM_HEAD:
-                model.quantized_head = layer           # read by Qwen35.logits(); an untied dense head is not built
-                if hasattr(model, quant.LM_HEAD):
-                    del model.lm_head
-            else:
-                parent, _, attr = name.rpartition(".")[0].rpartition(".")
-                setattr(model.get_submodule(parent), attr, layer)
+            try:
+                _build_one(model, builder, name, shape, parts, quantize, fmt, use_triton)
+            except torch.OutOfMemoryError:
+                raise FlashRTError(ErrorCode.LOAD_FAILED, f"out of memory on {device} building {name!r} in {fmt} "
+                                                          f"(`flashrt-runtime plan` shows what the model needs)"
+                                   ) from None
     return model
+
+
+def _build_one(model: Qwen35, builder: _Builder, name: str, shape: tuple[int, ...], parts: list[_Part],
+               quantize: bool, fmt: str, use_triton: bool) -> None:
+    if not quantize:
+        module, _, leaf = name.rpartition(".")
+        model.get_submodule(module)._parameters[leaf] = nn.Parameter(builder.dense(shape, parts), requires_grad=False)
+        return
+    layer = quant.QuantLinear(builder.quantized(fmt, *shape, parts), use_triton)
+    if name == quant.LM_HEAD:
+        model.quantized_head = layer           # read by Qwen35.logits(); an untied dense head is not built
+        if hasattr(model, quant.LM_HEAD):
+            del model.lm_head
+    else:
+        parent, _, attr = name.rpartition(".")[0].rpartition(".")
+        setattr(model.get_submodule(parent), attr, layer)
 
 
 def load(model: str, device: torch.device, dtype: torch.dtype, seed: int = 0, fmt: str = "dense",
@@ -214,7 +223,14 @@ def load(model: str, device: torch.device, dtype: torch.dtype, seed: int = 0, fm
         raw = read_config(folder)
         cfg = from_hf_dict(raw)
         source = Checkpoint(folder, raw, mtp=bool(cfg.mtp_num_hidden_layers))
-    return _build(cfg, source, device, dtype, fmt, exclude, use_triton), quant.identity(fmt, use_triton)
+    try:
+        return _build(cfg, source, device, dtype, fmt, exclude, use_triton), quant.identity(fmt, use_triton)
+    except FlashRTError as err:
+        error = err.with_traceback(None)      # drops the frames, and with them the weights built so far
+        error.__context__ = error.__cause__ = None
+    if device.type == "cuda":                 # hand the freed blocks back (on Thor, to the rest of the robot)
+        torch.cuda.empty_cache()
+    raise error
 
 
 def weights_digest(model: Qwen35) -> str:
