@@ -91,6 +91,7 @@ def test_activation_quantization_is_ignored_by_name_with_a_warning(ct_checkpoint
         load(folder, FORMAT_OF[scheme])
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert ("input_activations" in warned) == (scheme != "nvfp4-a16"), warned
+    assert ("input_global_scale" in warned) == (scheme == "nvfp4"), warned      # the tensors it stores for them
 
 
 def qwen_fp8(ct_folder, out):

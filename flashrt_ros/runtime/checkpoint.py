@@ -215,6 +215,7 @@ class Checkpoint:
         self.scheme = read_scheme(folder, config)
         self.tensors: dict[str, TensorInfo] = {}
         files, weight_map = shard_files(folder)
+        activation_scales = []
         for path in files:
             header, data_start = _header(path)
             claimed = {raw for raw, file in (weight_map or {}).items() if file == path.name}
@@ -227,9 +228,13 @@ class Checkpoint:
                 if name is None or (name.startswith("mtp.") and not mtp):
                     continue
                 if name.rsplit(".", 1)[-1] in _ACTIVATION_TENSORS:
-                    continue          # weight-only: see the module docstring (the config's scheme was warned about)
+                    activation_scales.append(raw)      # weight-only: see the module docstring
+                    continue
                 self.tensors[name] = TensorInfo(path, raw, tuple(entry["shape"]), _SAFETENSORS_DTYPES[entry["dtype"]],
                                                 data_start + entry["data_offsets"][0])
+        if activation_scales:
+            _ignored(str(folder), f"{len(activation_scales)} activation / KV scale tensor(s), e.g. "
+                                  f"{activation_scales[0]!r},")
         self.quantized = self._quantized_modules()
 
     def _quantized_modules(self) -> set[str]:
