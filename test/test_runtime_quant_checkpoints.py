@@ -2,7 +2,8 @@
 the stored codes are kept byte for byte, the weights equal what the format's own library (compressed-tensors)
 dequantises, and the logits match HF running those weights. Formats: compressed-tensors FP8 block and NVFP4 (written
 by the library), Qwen's official FP8 (``weight_scale_inv``) and ModelOpt NVFP4 (renamed from the library's files,
-same numbers), and the synthetic folders of checkpoint_writer. Shapes that are not multiples of 128 throughout."""
+same numbers), and the synthetic folders of checkpoint_writer. Shapes that are not multiples of 128 throughout; a
+model trained here checks the predictions."""
 import json
 import logging
 import shutil
@@ -10,7 +11,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import Qwen3_5ForCausalLM
 
+import bench_scripts
 import ct_checkpoints as ct
 import hf_checkpoints as hf
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, checkpoint_writer, quant, weights
@@ -219,3 +222,37 @@ def test_a_stored_format_loaded_dense_is_its_dequantised_weights(ct_checkpoint):
         rows = engine.model.get_parameter(fused).split([r for _, r in parts])
         for (name, _), piece in zip(parts, rows):
             assert torch.equal(piece, reference[name].to(torch.bfloat16)), name
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A Qwen3.5 trained here for a few seconds (bench/train_tiny_lm.py): confident predictions, unlike random
+    weights, so a wrongly read scale or code changes them."""
+    folder = tmp_path_factory.mktemp("trained") / "lm"
+    train = bench_scripts.load("train_tiny_lm")
+    train.build(folder, steps=80, hidden=64, layers=4, heads=4, head_dim=16, vocab=320, batch=16, seq_len=64,
+                lr=3e-3, corpus_chars=200_000, heldout=0.05, seed=0)
+    return folder, (folder / train.HELDOUT_FILE).read_text()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scheme", ["fp8-block", "nvfp4-a16"])
+def test_a_trained_model_quantized_by_the_library_predicts_what_hf_predicts_on_its_weights(scheme, trained,
+                                                                                          tmp_path):
+    """Quantized by compressed-tensors and loaded by us, the trained model gives HF's logits on the library's
+    dequantised weights, token by token (decode), and the same predictions."""
+    folder, heldout = trained
+    model = Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    quantized = ct.quantized_model(model, scheme)
+    shutil.copy(folder / "tokenizer.json", ct.save(quantized, tmp_path / "q") / "tokenizer.json")
+    model.load_state_dict({k: v.float() for k, v in ct.dequantised(quantized).items()}, strict=False)
+    engine = load(tmp_path / "q", FORMAT_OF[scheme])
+    ids = engine.tokenizer.encode(heldout)[:48]
+    expected = hf.logits(model, ids)
+    ours = []
+    for token in ids:
+        engine.ingest([token])
+        ours.append(engine.next_token_logits())
+    ours = torch.stack(ours)
+    assert float((ours - expected).norm() / expected.norm()) < (1e-5 if scheme == "fp8-block" else 1e-2)
+    assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.97
