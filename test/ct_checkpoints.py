@@ -16,8 +16,6 @@ from compressed_tensors.quantization import (QuantizationConfig, QuantizationStr
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 from loguru import logger
 
-import hf_checkpoints as hf
-
 logger.disable("compressed_tensors")   # its warnings about partial edge blocks: partial blocks are the point here
 
 SCHEMES = {"fp8-block": "FP8_BLOCK", "nvfp4": "NVFP4", "nvfp4-a16": "NVFP4A16"}
@@ -26,11 +24,9 @@ ODD_SHAPES = dict(hidden_size=80, intermediate_size=144)
 
 
 def _blocks(w: torch.Tensor, rows: int, cols: int):
-    """Per-block (min, max) of ``w``, edge blocks partial."""
+    """Per-block (min, max) of ``w``, edge blocks partial (zero padding: the range always holds 0 anyway)."""
     n, k = w.shape
     pad = torch.nn.functional.pad(w, (0, -k % cols, 0, -n % rows))
-    pad_min = pad.clone()
-    pad_min[n:, :] = pad_min[:, k:] = 0
     blocks = pad.reshape(pad.shape[0] // rows, rows, pad.shape[1] // cols, cols)
     return blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
 
@@ -77,10 +73,6 @@ def dequantised(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     model = copy.deepcopy(model)
     model.compressor.decompress_model(model)
     return {n: p.detach() for n, p in model.named_parameters() if n.endswith(".weight")}
-
-
-def tiny_hf(**overrides) -> torch.nn.Module:
-    return hf.build_model(hf.text_config(**{"tie_word_embeddings": False, **overrides}), seed=5).to(torch.bfloat16)
 
 
 def config(folder: Path) -> dict:

@@ -18,7 +18,7 @@ from .config import PRESETS, ModelConfig, from_hf_dict, read_config
 from .errors import ErrorCode, FlashRTError
 from .model import Qwen35
 
-ELEMENTS_PER_SLICE = 1 << 23      # a tensor is generated, read, converted and quantized this many values at a time
+ELEMENTS_PER_SLICE = 1 << 20      # values generated, read, converted or quantized at a time: ~45 B of temporaries each
 
 
 def random_rows(name: str, shape: tuple[int, ...], start: int, stop: int, seed: int, dtype: torch.dtype,
