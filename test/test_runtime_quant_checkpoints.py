@@ -214,9 +214,11 @@ def test_synthetic_folders_keep_their_codes_and_load_in_another_format_through_d
         assert torch.equal(layer.weight().dequantize(), expected.dequantize()), name
 
 
-def test_a_stored_format_loaded_dense_is_its_dequantised_weights(ct_checkpoint):
+def test_a_stored_format_loaded_dense_is_its_dequantised_weights_with_a_warning(ct_checkpoint, caplog):
     scheme, model, folder = ct_checkpoint
-    engine = load(folder, "dense", dtype="bfloat16")
+    with caplog.at_level(logging.WARNING, logger="flashrt_ros.runtime.weights"):
+        engine = load(folder, "dense", dtype="bfloat16")
+    assert f"in {FORMAT_OF[scheme]}" in caplog.text and "weights_format is dense: they are dequantised" in caplog.text
     reference = ct.dequantised(model)
     for fused, parts in engine.model.fused_parts().items():
         rows = engine.model.get_parameter(fused).split([r for _, r in parts])

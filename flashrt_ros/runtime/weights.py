@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import math
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from .config import PRESETS, ModelConfig, from_hf_dict, read_config
 from .errors import ErrorCode, FlashRTError
 from .model import Qwen35
 
+_log = logging.getLogger(__name__)
 ELEMENTS_PER_SLICE = 1 << 20      # values generated, read, converted or quantized at a time: ~45 B of temporaries each
 
 
@@ -223,6 +225,10 @@ def load(model: str, device: torch.device, dtype: torch.dtype, seed: int = 0, fm
         raw = read_config(folder)
         cfg = from_hf_dict(raw)
         source = Checkpoint(folder, raw, mtp=bool(cfg.mtp_num_hidden_layers))
+        if source.scheme is not None and source.scheme.fmt != fmt:
+            _log.warning("%s stores its projections in %s (%s) but weights_format is %s: they are dequantised%s",
+                         folder, source.scheme.fmt, source.scheme.label, fmt,
+                         "" if fmt == "dense" else f" and quantized again in {fmt}")
     try:
         return _build(cfg, source, device, dtype, fmt, exclude, use_triton), quant.identity(fmt, use_triton)
     except FlashRTError as err:
