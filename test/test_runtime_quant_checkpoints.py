@@ -258,3 +258,20 @@ def test_a_trained_model_quantized_by_the_library_predicts_what_hf_predicts_on_i
     ours = torch.stack(ours)
     assert float((ours - expected).norm() / expected.norm()) < (1e-5 if scheme == "fp8-block" else 1e-2)
     assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.97
+
+
+@pytest.mark.parametrize("edit,fragment", [
+    (lambda t, m: t.update({f"{m}.weight_scale": t[f"{m}.weight_scale"].float()}), "weight_scale is torch.float32"),
+    (lambda t, m: t.update({f"{m}.weight_packed": t[f"{m}.weight_packed"][:, :-1].contiguous()}), "weight_packed is"),
+    (lambda t, m: t.pop(f"{m}.weight_global_scale"), "lacks tensor"),
+])
+def test_a_malformed_quantized_tensor_fails_naming_file_and_module(hf_model, tmp_path, edit, fragment):
+    folder = ct.save(ct.quantized_model(hf_model, "nvfp4-a16"), tmp_path / "ct")
+    module = "model.layers.1.mlp.down_proj"
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors, module)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(FlashRTError) as err:
+        load(folder, "nvfp4")
+    assert err.value.code == ErrorCode.LOAD_FAILED and fragment in err.value.message, err.value.message
+    assert module in err.value.message
