@@ -155,7 +155,7 @@ def record_model(recorder: _Recorder, preset: str, dtype: torch.dtype, max_conte
 
 
 def projection_shapes(preset: str) -> set[tuple[int, int]]:
-    """(N, K) of every fused projection of the preset and of its LM head (what quant.quantize_model quantizes)."""
+    """(N, K) of every fused projection of the preset and of its LM head (what quant.targets names)."""
     cfg = dataclasses.replace(PRESETS[preset], layer_types=("linear_attention", "full_attention"))
     with torch.device("meta"):
         model = Qwen35(cfg)

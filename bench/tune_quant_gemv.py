@@ -76,8 +76,7 @@ def make_weight(kind: str, w: torch.Tensor, generator: torch.Generator) -> quant
     if kind == "fp8-block":
         n, k = w.shape
         scale = torch.rand(-(-n // FP8_BLOCK), k // FP8_BLOCK, device=w.device, generator=generator) / k ** 0.5
-        return quant.from_checkpoint("w", {"weight": (w * k ** 0.5 * 50).to(torch.float8_e4m3fn),
-                                           "weight_scale": scale})
+        return quant.fp8_from_blocks((w * k ** 0.5 * 50).to(torch.float8_e4m3fn), scale, FP8_BLOCK, FP8_BLOCK)
     return quant.QUANTIZERS[kind](w)
 
 

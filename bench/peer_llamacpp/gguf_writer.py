@@ -38,22 +38,14 @@ def imrope_sections(rotary_dim: int) -> list[int]:
 
 
 def hf_config(cfg) -> dict:
-    """The ``config.json`` an HF Qwen3_5ForCausalLM checkpoint of this ModelConfig would carry."""
-    return {
-        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "layer_types": list(cfg.layer_types),
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "linear_num_key_heads": cfg.linear_num_key_heads,
-        "linear_num_value_heads": cfg.linear_num_value_heads, "linear_key_head_dim": cfg.linear_key_head_dim,
-        "linear_value_head_dim": cfg.linear_value_head_dim, "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim,
-        "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "max_position_embeddings": cfg.max_position_embeddings, "mtp_num_hidden_layers": cfg.mtp_num_hidden_layers,
-        "full_attention_interval": 4,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                            "partial_rotary_factor": cfg.partial_rotary_factor,
-                            "mrope_section": imrope_sections(cfg.rotary_dim)[:3]},
-    }
+    """The ``config.json`` an HF Qwen3_5ForCausalLM checkpoint of this ModelConfig would carry, with the fields the
+    converter reads beyond ours (the attention interval, the MRoPE sections)."""
+    from flashrt_ros.runtime.checkpoint_writer import hf_config as text_config
+
+    config = text_config(cfg)
+    config["full_attention_interval"] = 4
+    config["rope_parameters"]["mrope_section"] = imrope_sections(cfg.rotary_dim)[:3]
+    return config
 
 
 _SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
@@ -173,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(HERE.parents[1]))
     from flashrt_ros.runtime.engine import _DTYPES
-    from flashrt_ros.runtime.weights import random_model
+    from flashrt_ros.runtime import weights
     import torch
 
     parser = argparse.ArgumentParser(description="write a preset's seeded weights as a qwen35 GGUF")
@@ -187,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     started = time.perf_counter()
     with torch.no_grad():
-        model = random_model(args.model, torch.device(args.device), _DTYPES[args.dtype], args.seed)
+        model, _ = weights.load(args.model, torch.device(args.device), _DTYPES[args.dtype], args.seed)
     summary = write_gguf(model, args.out, "bf16" if args.dtype == "bfloat16" else "f32")
     summary["seconds"] = time.perf_counter() - started
     print(json.dumps(summary))

@@ -118,15 +118,15 @@ def from_hf_dict(raw: dict) -> ModelConfig:
         raise FlashRTError(ErrorCode.LOAD_FAILED, f"config.json lacks required field {missing}") from None
 
 
-def load_config(folder: Path) -> ModelConfig:
+def read_config(folder: Path) -> dict:
+    """The folder's ``config.json`` as a dict."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FlashRTError(ErrorCode.LOAD_FAILED, f"no config.json in {folder}")
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise FlashRTError(ErrorCode.LOAD_FAILED, f"{path} is not valid JSON: {err}") from None
-    return from_hf_dict(raw)
 
 
 def _hybrid(n: int) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ from . import platform, quant
 from .model import PIECE_BUCKET, SMALL_PIECE
 from .sampler import Sampler, SamplingParams
 from .tokenizer import load_tokenizer
-from .weights import load_model, random_model, weights_digest
+from .weights import load, weights_digest
 
 PLAN_VERSION = "flashrt-plan-2"   # 2: fused projections, padded piece buckets, fixed 64-row delta-rule chunks
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,12 +126,8 @@ class Engine:
         dtype = _DTYPES[cfg.dtype]
         folder = None if cfg.model in PRESETS else Path(cfg.model)
         self.platform = platform.probe(self.device, dtype)     # raises LOAD_FAILED if the device cannot compute
-        if folder is None:
-            self.model = random_model(cfg.model, self.device, dtype, cfg.seed)
-        else:
-            self.model = load_model(folder, self.device, dtype)
-        self.weights_format = quant.quantize_model(self.model, cfg.weights_format, cfg.weights_exclude,
-                                                   use_triton=self.platform.quant_triton)
+        self.model, self.weights_format = load(cfg.model, self.device, dtype, cfg.seed, cfg.weights_format,
+                                               cfg.weights_exclude, use_triton=self.platform.quant_triton)
         self.model.eval().requires_grad_(False)
         self.model_config = self.model.cfg
         if cfg.max_context > self.model_config.max_position_embeddings:

@@ -45,17 +45,13 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU. HF's gate_proj and up_proj load as such, then :meth:`fuse` makes them one ``gate_up_proj``."""
+    """SwiGLU. HF's gate_proj and up_proj become one ``gate_up_proj`` (:func:`fusions`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def fuse(self) -> None:
-        self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
 
     def forward(self, x, kernels):
         return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
@@ -76,11 +72,6 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(cfg.linear_value_head_dim))
         self.out_proj = nn.Linear(cfg.linear_value_dim, cfg.hidden_size, bias=False)
-
-    def fuse(self) -> None:
-        """in_proj = [qkv | z | b | a]: the four projections of the layer input as one GEMM."""
-        self.in_proj = _fused_linear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
-        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def forward(self, x, conv_state, recurrent_state, count, dense: bool, kernels):
         cfg, length = self.cfg, x.shape[0]
@@ -108,11 +99,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps)
-
-    def fuse(self) -> None:
-        """qkv_proj = [query+gate | key | value]: one GEMM."""
-        self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
 
     def write_kv(self, x, cos, sin, positions, kv_cache, count, kernels):
         """Project x, write its normalised, rotated keys and its values into ``kv_cache`` at ``positions`` (rows
@@ -175,6 +161,19 @@ class MTPHead(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def fusions(cfg: ModelConfig) -> dict[type, tuple[str, list[str], list[int]]]:
+    """Per module class: the fused projection, the HF projections it concatenates (rows in this order) and their
+    row counts. in_proj = [qkv | z | b | a], gate_up_proj = [gate | up], qkv_proj = [query+gate | key | value]:
+    the projections of one input as one GEMM."""
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    return {GatedDeltaNet: ("in_proj", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"],
+                            [cfg.conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads,
+                             cfg.linear_num_value_heads]),
+            MLP: ("gate_up_proj", ["gate_proj", "up_proj"], [cfg.intermediate_size] * 2),
+            Attention: ("qkv_proj", ["q_proj", "k_proj", "v_proj"],
+                        [2 * cfg.num_attention_heads * cfg.head_dim, kv, kv])}
+
+
 class Qwen35(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -188,31 +187,34 @@ class Qwen35(nn.Module):
         self.kernels: KernelSet | None = None
 
     def fuse_projections(self) -> None:
-        """Concatenate the weights of projections that read the same input (after loading HF-named weights)."""
+        """Concatenate the weights of projections that read the same input (:func:`fusions`)."""
+        table = fusions(self.cfg)
         for module in list(self.modules()):
-            if isinstance(module, (MLP, GatedDeltaNet, Attention)):
-                module.fuse()
+            if type(module) in table:
+                fused, parts, _ = table[type(module)]
+                setattr(module, fused, _fused_linear([getattr(module, p) for p in parts]))
+                for part in parts:
+                    delattr(module, part)
+
+    def fused_parts(self) -> dict[str, list[tuple[str, int]]]:
+        """Each fused weight's HF source weights in row order: ``{"...mlp.gate_up_proj.weight":
+        [("...mlp.gate_proj.weight", rows), ("...mlp.up_proj.weight", rows)], ...}`` (the model fused or not)."""
+        table, out = fusions(self.cfg), {}
+        for name, module in self.named_modules():
+            if type(module) in table:
+                fused, parts, rows = table[type(module)]
+                out[f"{name}.{fused}.weight"] = [(f"{name}.{p}.weight", r) for p, r in zip(parts, rows)]
+        return out
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under HF checkpoint names (fused projections split back into views; nothing copied)."""
-        cfg, out = self.cfg, {}
-        splits = {"linear_attn.in_proj": (["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"],
-                                          [cfg.conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads,
-                                           cfg.linear_num_value_heads]),
-                  "mlp.gate_up_proj": (["gate_proj", "up_proj"], [cfg.intermediate_size] * 2),
-                  "self_attn.qkv_proj": (["q_proj", "k_proj", "v_proj"],
-                                         [2 * cfg.num_attention_heads * cfg.head_dim,
-                                          cfg.num_key_value_heads * cfg.head_dim,
-                                          cfg.num_key_value_heads * cfg.head_dim])}
+        parts, out = self.fused_parts(), {}
         for name, tensor in self.state_dict().items():
-            fused = next((f for f in splits if name.endswith(f"{f}.weight")), None)
-            if fused is None:
+            if name not in parts:
                 out[name] = tensor
                 continue
-            names, sizes = splits[fused]
-            prefix = name[:-len(f"{fused.split('.')[-1]}.weight")]
-            for part, piece in zip(names, tensor.split(sizes, dim=0)):
-                out[f"{prefix}{part}.weight"] = piece
+            for (part, _), piece in zip(parts[name], tensor.split([rows for _, rows in parts[name]], dim=0)):
+                out[part] = piece
         return out
 
     def output_weight(self) -> torch.Tensor:
@@ -236,7 +238,7 @@ class Qwen35(nn.Module):
 
     def logits(self) -> torch.Tensor:
         """Next-token logits (fp32) from the last hidden state in the arena (through the quantized LM head that
-        ``quant.quantize_model`` sets, if any)."""
+        ``weights.load`` builds, if any)."""
         head = getattr(self, "quantized_head", None)
         if head is not None:
             return head(self.arena["hidden"]).float()

@@ -1,8 +1,8 @@
-"""Weight-only quantization: the encoders, the quantized linear module, reading compressed-tensors checkpoints, and
-:func:`quantize_model`, which swaps a loaded (and fused) model's ``nn.Linear`` modules for :class:`QuantLinear`.
+"""Weight-only quantization: the encoders, the quantized weight and linear module, and :func:`targets`, which names
+the projections a format quantizes (``weights.load`` builds them straight into :class:`QuantLinear`).
 
 Formats (``weights_format``): ``dense`` (weights stay in the engine's dtype), ``fp8`` (E4M3, one fp32 scale per output
-channel, or per 128-wide block when read from a block-scaled checkpoint) and ``nvfp4`` (E2M1 values packed two per
+channel, or per block of inputs when read from a block-scaled checkpoint) and ``nvfp4`` (E2M1 values packed two per
 byte, an E4M3 scale per 16 values and an fp32 global scale, as compressed-tensors' ``nvfp4-pack-quantized`` writes
 them). Activations stay in the engine's dtype (W8A16 / W4A16). Rounding is to nearest, ties to even, as in
 compressed-tensors. The layout of the tensors is described in :mod:`.kernels.quant_gemv`.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 
 import torch
 import torch.nn.functional as F
@@ -52,14 +53,47 @@ class QuantizedWeight:
             out["row_scale"] = self.row_scale
         return out
 
+    @property
+    def group(self) -> int:
+        """Inputs per scale (fp8: K for one scale per output channel; nvfp4: always 16)."""
+        return self.shape[1] // self.scale.shape[1]
+
     @staticmethod
-    def cat(pieces: list["QuantizedWeight"]) -> "QuantizedWeight":
-        """Row-wise concatenation (a fused projection from separately quantized tensors)."""
-        fmt = pieces[0].fmt
-        if any(p.fmt != fmt for p in pieces) or len({p.scale.shape[1] for p in pieces}) != 1:
-            raise FlashRTError(ErrorCode.LOAD_FAILED, "fused projection from tensors of different quantization")
-        rows = None if fmt == "fp8" else torch.cat([p.row_scale for p in pieces])
-        return QuantizedWeight(fmt, torch.cat([p.q for p in pieces]), torch.cat([p.scale for p in pieces]), rows)
+    def empty(fmt: str, n: int, k: int, group: int, device: torch.device) -> "QuantizedWeight":
+        """Uninitialised storage of an [N, K] weight in ``fmt`` (fp8 with one scale per ``group`` inputs)."""
+        if fmt == "fp8":
+            return QuantizedWeight(fmt, torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device),
+                                   torch.empty(n, k // group, device=device))
+        return QuantizedWeight(fmt, torch.empty(n, k // 2, dtype=torch.uint8, device=device),
+                               torch.empty(n, k // kq.NVFP4_GROUP, dtype=torch.float8_e4m3fn, device=device),
+                               torch.empty(n, device=device))
+
+    def rows(self, start: int, stop: int) -> "QuantizedWeight":
+        """Rows ``start:stop`` (views: writing them writes this weight)."""
+        return QuantizedWeight(self.fmt, self.q[start:stop], self.scale[start:stop],
+                               None if self.row_scale is None else self.row_scale[start:stop])
+
+    def copy_(self, src: "QuantizedWeight") -> None:
+        """Write ``src`` (same format and shape) into this weight; fp8 scales are repeated when ``src`` has coarser
+        groups (exact: each of its scales covers whole groups of ours)."""
+        self.q.copy_(src.q)
+        self.scale.copy_(src.scale.repeat_interleave(src.group // self.group, dim=1))
+        if self.row_scale is not None:
+            self.row_scale.copy_(src.row_scale)
+
+
+def fp8_block_group(cols: int, k: int) -> int:
+    """Inputs per scale of ours that tile blocks ``cols`` wide over K inputs, the partial last block too."""
+    return math.gcd(cols, k)
+
+
+def fp8_from_blocks(q: torch.Tensor, blocks: torch.Tensor, rows: int, cols: int) -> QuantizedWeight:
+    """fp8 codes [N, K] with one scale per ``rows`` x ``cols`` block (edge blocks partial), exactly: each block's
+    scale repeated over its rows and over the groups (:func:`fp8_block_group`) that tile its inputs."""
+    n, k = q.shape
+    group = fp8_block_group(cols, k)
+    scale = blocks.float().repeat_interleave(rows, dim=0)[:n].repeat_interleave(cols // group, dim=1)[:, :k // group]
+    return QuantizedWeight("fp8", q, scale.contiguous())
 
 
 def _row_slices(w: torch.Tensor):
@@ -130,62 +164,6 @@ def weight_bytes(fmt: str, n: int, k: int, dense_element_size: int) -> int:
     return n * k * dense_element_size
 
 
-# ---- compressed-tensors checkpoints ------------------------------------------------------------------------------
-# Tensor names as compressed-tensors writes them, per quantized module `<name>`:
-#   nvfp4-pack-quantized: <name>.weight_packed (uint8 [N, K/2]), <name>.weight_scale (float8_e4m3fn [N, K/16]),
-#                         <name>.weight_global_scale (fp32 [1]); dequant = e2m1 * weight_scale / weight_global_scale
-#   float-quantized (FP8): <name>.weight (float8_e4m3fn [N, K]), <name>.weight_scale (fp32 [N, 1] per channel,
-#                         [1] per tensor, or [ceil(N/B), ceil(K/B)] per block); dequant = weight * weight_scale
-CHECKPOINT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point",
-                       "input_global_scale", "input_scale")
-
-
-def is_quantized_checkpoint_tensor(name: str, tensor: torch.Tensor) -> bool:
-    suffix = name.rsplit(".", 1)[-1]
-    return suffix in CHECKPOINT_SUFFIXES or (suffix == "weight" and tensor.dtype == torch.float8_e4m3fn)
-
-
-def from_checkpoint(module: str, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
-    """A :class:`QuantizedWeight` from one module's compressed-tensors tensors (keys: the suffixes above).
-
-    Activation scales (``input_*``, W4A4/W8A8 checkpoints) are ignored: activations stay in the engine's dtype."""
-    def bad(why: str) -> FlashRTError:
-        return FlashRTError(ErrorCode.LOAD_FAILED, f"quantized tensor {module!r}: {why}")
-    if "weight_zero_point" in parts and bool(parts["weight_zero_point"].any()):
-        raise bad("asymmetric quantization (nonzero weight_zero_point) is not supported")
-    scale = parts.get("weight_scale")
-    if scale is None:
-        raise bad("no weight_scale")
-    if "weight_packed" in parts:
-        packed, gs = parts["weight_packed"], parts.get("weight_global_scale")
-        if gs is None or packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
-            raise bad("nvfp4 needs uint8 weight_packed, float8_e4m3fn weight_scale and weight_global_scale")
-        n, k = packed.shape[0], 2 * packed.shape[1]
-        if tuple(scale.shape) != (n, k // kq.NVFP4_GROUP):
-            raise bad(f"weight_scale has shape {tuple(scale.shape)}, expected {(n, k // kq.NVFP4_GROUP)}")
-        row_scale = (1.0 / gs.float().reshape(1)).expand(n).contiguous()
-        return QuantizedWeight("nvfp4", packed.contiguous(), scale.contiguous(), row_scale)
-    weight = parts.get("weight")
-    if weight is None or weight.dtype != torch.float8_e4m3fn:
-        raise bad("neither weight_packed (nvfp4) nor a float8_e4m3fn weight (fp8)")
-    return QuantizedWeight("fp8", weight.contiguous(), _fp8_scale_per_row(scale.float(), *weight.shape, bad))
-
-
-def _fp8_scale_per_row(scale: torch.Tensor, n: int, k: int, bad) -> torch.Tensor:
-    """Per-tensor, per-channel or per-block scales as [N, K // group] (block scales repeated over their rows)."""
-    if scale.numel() == 1:
-        return scale.reshape(1, 1).expand(n, 1).contiguous()
-    if tuple(scale.shape) in ((n,), (n, 1)):
-        return scale.reshape(n, 1).contiguous()
-    if scale.dim() == 2 and k % scale.shape[1] == 0:
-        block = k // scale.shape[1]                      # square blocks (compressed-tensors' block_structure)
-        if block % kq.RUN:
-            raise bad(f"fp8 block scales must span a multiple of {kq.RUN} columns, got blocks of {block}")
-        if -(-n // block) == scale.shape[0]:
-            return scale.repeat_interleave(block, dim=0)[:n].contiguous()
-    raise bad(f"unsupported fp8 weight_scale shape {tuple(scale.shape)} for a weight of {(n, k)}")
-
-
 # ---- the module and the model walk ---------------------------------------------------------------------------------
 class QuantLinear(nn.Module):
     """``y = x @ dequant(W).T`` for a bias-free projection. With ``use_triton``, up to
@@ -228,58 +206,20 @@ def is_excluded(name: str, exclude: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude)
 
 
-def _from_checkpoint_pieces(name: str, dense: torch.Tensor,
-                            checkpoint: dict[str, QuantizedWeight]) -> QuantizedWeight | None:
-    """The checkpoint's quantized tensors that this (possibly fused) projection was loaded from, concatenated.
-
-    A fused projection's rows are its source tensors one after another; the sources are the checkpoint modules under
-    the same parent whose dequantised values tile ``dense`` (the loader filled ``dense`` with exactly those values),
-    so this holds whatever names and order the fusion uses. None when no checkpoint tensor under the parent fits."""
-    if name in checkpoint:
-        return checkpoint.pop(name)
-    parent = name.rpartition(".")[0]
-    candidates = [n for n in checkpoint if n.rpartition(".")[0] == parent and checkpoint[n].shape[1] == dense.shape[1]]
-    pieces, row = [], 0
-    while row < dense.shape[0] and candidates:
-        match = next((n for n in candidates if checkpoint[n].shape[0] <= dense.shape[0] - row and torch.equal(
-            checkpoint[n].dequantize().to(dense.dtype), dense[row:row + checkpoint[n].shape[0]])), None)
-        if match is None:
-            break
-        candidates.remove(match)
-        pieces.append(match)
-        row += checkpoint[match].shape[0]
-    if row != dense.shape[0] or not pieces:
-        return None
-    return QuantizedWeight.cat([checkpoint.pop(n) for n in pieces])
-
-
-def quantize_model(model: nn.Module, fmt: str, exclude: tuple[str, ...] = (), use_triton: bool = False) -> str:
-    """Replace every bias-free ``nn.Linear`` (and the LM head, named ``lm_head``) not matched by an ``exclude``
-    pattern (``fnmatch``, e.g. ``*.linear_attn.*``) with a :class:`QuantLinear` in ``fmt``; run after loading and
-    fusing. Weights that ``weights.load_model`` read from a quantized checkpoint (``model.quantized_checkpoint``:
-    module name -> weight) keep their stored bytes when ``fmt`` is theirs; everything else is quantized here from
-    the dense weights. Returns the identity the fingerprint records, e.g. ``nvfp4/triton``."""
+def targets(model: nn.Module, fmt: str, exclude: tuple[str, ...] = ()) -> list[str]:
+    """The (fused) projections ``fmt`` stores quantized: every bias-free ``nn.Linear`` and the LM head (``lm_head``,
+    tied to the embedding or not) not matched by an ``exclude`` pattern (``fnmatch``, e.g. ``*.linear_attn.*``).
+    The LM head is built as ``model.quantized_head`` (read by ``Qwen35.logits``); the embedding stays dense."""
     if fmt not in FORMATS:
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"weights_format must be one of {FORMATS}, got {fmt!r}")
-    checkpoint = model.__dict__.pop("quantized_checkpoint", {})
     if fmt == "dense":
-        return fmt
-    stored = {n: w for n, w in checkpoint.items() if w.fmt == fmt}
+        return []
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and module.bias is None and name != LM_HEAD
+             and not is_excluded(name, exclude)]
+    return names + ([] if is_excluded(LM_HEAD, exclude) else [LM_HEAD])
 
-    def quantized(name: str, dense: torch.Tensor) -> QuantLinear:
-        weight = _from_checkpoint_pieces(name, dense, stored) or QUANTIZERS[fmt](dense)
-        return QuantLinear(weight, use_triton)
 
-    with torch.no_grad():
-        targets = [name for name, module in model.named_modules()
-                   if isinstance(module, nn.Linear) and module.bias is None and name != LM_HEAD
-                   and not is_excluded(name, exclude)]
-        for name in targets:   # one dense weight at a time is replaced (and freed)
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), attr, quantized(name, model.get_submodule(name).weight))
-        if not is_excluded(LM_HEAD, exclude):
-            # Read by Qwen35.logits(). The embedding stays dense for lookups; an untied dense head is dropped.
-            model.quantized_head = quantized(LM_HEAD, model.output_weight())
-            if hasattr(model, LM_HEAD):
-                del model.lm_head
-    return f"{fmt}/{'triton' if use_triton else 'reference'}"
+def identity(fmt: str, use_triton: bool) -> str:
+    """What the fingerprint records of the format, e.g. ``nvfp4/triton``."""
+    return fmt if fmt == "dense" else f"{fmt}/{'triton' if use_triton else 'reference'}"

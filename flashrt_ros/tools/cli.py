@@ -9,11 +9,12 @@ import tempfile
 import time
 
 from flashrt_ros.runtime import quant
-from flashrt_ros.runtime.engine import Engine, EngineConfig
+from flashrt_ros.runtime.config import PRESETS
+from flashrt_ros.runtime.engine import _DTYPES, Engine, EngineConfig
 from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
 from flashrt_ros.runtime.sampler import SamplingParams
 
-from . import bench_capsules, bench_quant
+from . import bench_capsules, bench_quant, plan
 from .bench import bench_context, cold_prefill_profile, markdown_table
 from .verify import verify
 
@@ -118,6 +119,23 @@ def cmd_bench_capsules(args) -> dict:
     return result
 
 
+def cmd_plan(args) -> dict:
+    rows = []
+    for preset in args.presets.split(","):
+        if preset not in PRESETS:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+        for fmt in args.formats.split(","):
+            rows.append({"preset": preset, **plan.memory_plan(
+                PRESETS[preset], fmt, _DTYPES[args.dtype], args.max_context, args.capsule_budget_mb << 20,
+                args.history_depth, int(args.memory_gb * 10**9), quant.parse_patterns(args.weights_exclude))})
+    columns = ("weights", "arena", "history", "capsule_budget", "total", "left")
+    shown = [{"preset": r["preset"], "format": r["format"], "fits": r["fits"],
+              **{f"{c}_gb": r[f"{c}_bytes"] / 10**9 for c in columns}} for r in rows]
+    print(bench_quant._table(shown, [("preset", "{}"), ("format", "{}")] + [(f"{c}_gb", "{:.2f}") for c in columns]
+                             + [("fits", "{}")]), file=sys.stderr)
+    return {"memory_gb": args.memory_gb, "dtype": args.dtype, "max_context": args.max_context, "rows": rows}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashrt-runtime", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,6 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--host-budget-mb", type=int, default=8192, help="pinned host tier (discrete GPUs)")
     bc.add_argument("--out", help="write the JSON result here too")
     bc.set_defaults(func=cmd_bench_capsules)
+    pl = sub.add_parser("plan", help="weights + arena + history + capsule budget per preset and format, against a "
+                                     "memory size (default: Thor's 128 GB); nothing is loaded")
+    pl.add_argument("--presets", default=",".join(p for p in PRESETS if p != "tiny"))
+    pl.add_argument("--formats", default=",".join(quant.FORMATS))
+    pl.add_argument("--memory-gb", type=float, default=plan.THOR_MEMORY_BYTES / 10**9)
+    pl.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    pl.add_argument("--max-context", type=int, default=16384)
+    pl.add_argument("--capsule-budget-mb", type=int, default=8192)
+    pl.add_argument("--history-depth", type=int, default=32)
+    pl.add_argument("--weights-exclude", default="")
+    pl.set_defaults(func=cmd_plan)
     return parser
 
 

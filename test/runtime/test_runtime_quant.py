@@ -1,6 +1,6 @@
 """Weight-only quantization: the fused Triton GEMVs against their references (through Triton's interpreter on the
-CPU), the encoders against independent float64 roundings, compressed-tensors checkpoints against quantize-at-load,
-capsules per format, refusal across formats, and fidelity figures."""
+CPU), the encoders against independent float64 roundings, capsules per format, refusal across formats, and fidelity
+figures. (Pre-quantized checkpoints: test_runtime_quant_checkpoints.py.)"""
 import importlib.util
 import itertools
 import json
@@ -9,10 +9,8 @@ import zlib
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import bench_scripts
-import hf_checkpoints as hf
 from capsule_helpers import plant_foreign_capsule
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError
 from flashrt_ros.runtime import quant
@@ -162,8 +160,7 @@ def random_weight(fmt: str, n: int, k: int, g_: torch.Generator) -> quant.Quanti
     """``fp8-block``: fp8 codes with 128 x 128 block scales, as a block-scaled checkpoint stores them."""
     if fmt == "fp8-block":
         q = torch.randn(n, k, generator=g_).mul(50).to(torch.float8_e4m3fn)
-        return quant.from_checkpoint("w", {"weight": q, "weight_scale": torch.rand(-(-n // 128), k // 128,
-                                                                                   generator=g_)})
+        return quant.fp8_from_blocks(q, torch.rand(-(-n // 128), k // 128, generator=g_), 128, 128)
     return quant.QUANTIZERS[fmt](torch.randn(n, k, generator=g_) * torch.rand(n, 1, generator=g_))
 
 
@@ -361,7 +358,7 @@ def test_quant_linear_takes_the_fused_gemv_up_to_its_rows_and_a_gemm_beyond(monk
     assert quant.QuantLinear(weight, use_triton=False)(x).shape == (kq.GEMV_MAX_ROWS + 1, 16)
 
 
-# ---- quantize_model ------------------------------------------------------------------------------------------------
+# ---- what each format quantizes ------------------------------------------------------------------------------------
 def quant_layers(engine: Engine) -> dict[str, str]:
     return {n: m.fmt for n, m in engine.model.named_modules() if isinstance(m, quant.QuantLinear)}
 
@@ -391,104 +388,6 @@ def test_unknown_format_is_refused():
     with pytest.raises(FlashRTError) as err:
         tiny(weights_format="int3")
     assert err.value.code == ErrorCode.INVALID_ARGUMENT
-
-
-# ---- compressed-tensors checkpoints --------------------------------------------------------------------------------
-FUSED = (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), ("gate_proj", "up_proj"),
-         ("q_proj", "k_proj", "v_proj"))
-
-
-def fusion_group(name: str) -> tuple[str, ...]:
-    parent, _, leaf = name.rpartition(".")
-    return next((tuple(f"{parent}.{m}" for m in g) for g in FUSED if leaf in g), (name,))
-
-
-def write_compressed(dense_folder, out, fmt: str, shared_global_scale: bool = True):
-    """The dense checkpoint rewritten as compressed-tensors stores it: each projection's `.weight` replaced by
-    weight_packed / weight_scale / weight_global_scale (nvfp4) or an fp8 weight and weight_scale [N, 1]. With
-    ``shared_global_scale``, projections that run fused share one global scale, as llm-compressor writes them."""
-    tensors = load_file(dense_folder / "model.safetensors")
-    dense = {n[:-len(".weight")]: t for n, t in tensors.items() if t.dim() == 2 and "embed_tokens" not in n}
-    for module, w in dense.items():
-        del tensors[f"{module}.weight"]
-        if fmt == "fp8":
-            weight = quant.quantize_fp8(w)
-            tensors[f"{module}.weight"], tensors[f"{module}.weight_scale"] = weight.q, weight.scale
-            continue
-        group = torch.cat([dense[m] for m in fusion_group(module)]) if shared_global_scale else w
-        gs = quant.nvfp4_global_scale(group)
-        weight = quant.quantize_nvfp4(w, gs)
-        tensors[f"{module}.weight_packed"] = weight.q
-        tensors[f"{module}.weight_scale"] = weight.scale
-        tensors[f"{module}.weight_global_scale"] = gs
-    out.mkdir()
-    save_file(tensors, out / "model.safetensors")
-    config = json.loads((dense_folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors",
-                                     "format": "nvfp4-pack-quantized" if fmt == "nvfp4" else "float-quantized"}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
-@pytest.fixture(scope="module")
-def dense_folder(tmp_path_factory):
-    model = hf.build_model(hf.text_config(tie_word_embeddings=False), seed=3)
-    return hf.save(model, tmp_path_factory.mktemp("dense") / "ckpt")
-
-
-def load(folder, fmt):
-    return Engine(EngineConfig(model=str(folder), max_context=128, weights_format=fmt))
-
-
-@pytest.mark.parametrize("fmt", QUANTIZED)
-def test_a_compressed_tensors_checkpoint_equals_quantize_at_load(fmt, dense_folder, tmp_path):
-    """Identical quantized bytes (hence the same fingerprint: capsules move between the two) and logits."""
-    from_dense = load(dense_folder, fmt)
-    stored = load(write_compressed(dense_folder, tmp_path / "q", fmt), fmt)
-    assert stored.fingerprint == from_dense.fingerprint
-    prompt = list(range(1, 40))
-    for engine in (from_dense, stored):
-        engine.ingest(prompt)
-    assert torch.equal(stored.next_token_logits(), from_dense.next_token_logits())
-
-
-def test_pieces_with_their_own_global_scales_keep_their_bytes_in_the_fused_projection(dense_folder, tmp_path):
-    folder = write_compressed(dense_folder, tmp_path / "q", "nvfp4", shared_global_scale=False)
-    tensors = load_file(folder / "model.safetensors")
-    engine = load(folder, "nvfp4")
-    fused = engine.model.get_submodule("model.layers.0.linear_attn.in_proj").weight()
-    parts = [quant.from_checkpoint(m, {s: tensors[f"{m}.{s}"] for s in ("weight_packed", "weight_scale",
-                                                                        "weight_global_scale")})
-             for m in fusion_group("model.layers.0.linear_attn.in_proj_qkv")]
-    assert len({float(p.row_scale[0]) for p in parts}) > 1          # the pieces really differ in global scale
-    assert torch.equal(fused.q, torch.cat([p.q for p in parts]))
-    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
-
-
-def test_a_block_scaled_fp8_checkpoint_dequantises_blockwise():
-    g_ = gen(11)
-    q = torch.randn(40, 64, generator=g_).to(torch.float8_e4m3fn)
-    blocks = torch.rand(3, 4, generator=g_) + 0.5                     # 16 x 16 blocks; the last block row is partial
-    weight = quant.from_checkpoint("m", {"weight": q, "weight_scale": blocks})
-    expected = q.float() * blocks.repeat_interleave(16, 0)[:40].repeat_interleave(16, 1)
-    assert torch.equal(weight.dequantize(), expected)
-
-
-@pytest.mark.parametrize("parts,fragment", [
-    ({"weight_packed": torch.zeros(4, 8, dtype=torch.uint8)}, "no weight_scale"),
-    ({"weight_packed": torch.zeros(4, 8, dtype=torch.uint8), "weight_scale": torch.zeros(4, 2)},
-     "needs uint8 weight_packed"),
-    ({"weight": torch.zeros(4, 16, dtype=torch.float8_e4m3fn), "weight_scale": torch.ones(3, 5)},
-     "unsupported fp8 weight_scale shape"),
-    ({"weight": torch.zeros(16, 32, dtype=torch.float8_e4m3fn), "weight_scale": torch.ones(2, 4)},
-     "multiple of 16 columns"),
-    ({"weight": torch.zeros(4, 16, dtype=torch.float8_e4m3fn), "weight_scale": torch.ones(4, 1),
-      "weight_zero_point": torch.ones(4, 1)}, "asymmetric"),
-])
-def test_malformed_quantized_tensors_are_load_failures(parts, fragment):
-    with pytest.raises(FlashRTError, match=fragment) as err:
-        quant.from_checkpoint("model.layers.0.mlp.down_proj", parts)
-    assert err.value.code == ErrorCode.LOAD_FAILED
 
 
 # ---- capsules per format, refusal across formats, fidelity ---------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 
 from flashrt_ros.runtime.config import PRESETS
 from flashrt_ros.runtime.model import rope_inv_freq
-from flashrt_ros.runtime.weights import random_model
+from flashrt_ros.runtime import weights
 
 PEER = Path(__file__).resolve().parents[2] / "bench" / "peer_llamacpp"
 SRC = PEER / "llama.cpp"
@@ -38,7 +38,7 @@ import results  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tiny_bf16(tmp_path_factory):
-    model = random_model("tiny", torch.device("cpu"), torch.bfloat16, seed=3)
+    model, _ = weights.load("tiny", torch.device("cpu"), torch.bfloat16, seed=3)
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_gguf(model, path, "bf16")
     return model, path

@@ -1,7 +1,9 @@
-"""The flashrt-runtime command line: generate, verify and bench print JSON and exit with meaningful codes."""
+"""The flashrt-runtime command line: generate, verify, bench and plan print JSON and exit with meaningful codes."""
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from flashrt_ros.runtime import Engine, EngineConfig
 from flashrt_ros.tools.cli import main
@@ -66,3 +68,34 @@ def test_bench_writes_rows_with_consistent_ratios(capsys, tmp_path):
     for op in ("fork", "rollback_step", "rollback_capsule"):
         assert 0 < row[f"{op}_p50_ms"] <= row[f"{op}_p99_ms"], op
     assert table.startswith("| context |")
+
+
+# ---- plan: will it fit? --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
+def test_plan_counts_the_bytes_a_load_allocates(capsys, fmt):
+    """The plan's weights and arena are what loading the tiny preset really allocates (from shapes, nothing loaded)."""
+    code, out, table = run(capsys, "plan", "--presets", "tiny", "--formats", fmt, "--dtype", "float32",
+                           "--max-context", "256", "--capsule-budget-mb", "16", "--history-depth", "4",
+                           "--memory-gb", "0.01")
+    row = out["rows"][0]
+    engine = Engine(EngineConfig(weights_format=fmt, max_context=256, history_depth=4))
+    assert code == 0 and "| tiny | " + fmt in table
+    assert row["weights_bytes"] == sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert row["arena_bytes"] == engine.arena_bytes
+    assert row["history_bytes"] == engine._history.numel()
+    assert row["total_bytes"] == row["weights_bytes"] + row["arena_bytes"] + row["history_bytes"] + (16 << 20)
+    assert row["fits"] == (row["total_bytes"] <= 10**7)
+
+
+def test_thor_profile_fits_128_gb_with_room_for_the_rest_of_the_robot(capsys):
+    """config/thor.yaml's model, format, context, capsule budget and rollback depth: the engine takes under 15% of
+    Thor's 128 GB, leaving over 100 GB to the OS, perception and planning (what the file's comments promise)."""
+    params = yaml.safe_load((Path(__file__).resolve().parent.parent / "config" / "thor.yaml").read_text())
+    p = params["/**"]["ros__parameters"]
+    preset = Path(p["model"]).name.lower()                  # /opt/flashrt/models/Qwen3.5-2B -> the qwen3.5-2b preset
+    code, out, _ = run(capsys, "plan", "--presets", preset, "--formats", p["weights_format"], "--dtype", p["dtype"],
+                       "--max-context", str(p["max_context"]), "--capsule-budget-mb", str(p["capsule_budget_mb"]),
+                       "--history-depth", str(p["history_depth"]), "--weights-exclude", p["weights_exclude"])
+    row = out["rows"][0]
+    assert code == 0 and out["memory_gb"] == 128 and row["fits"]
+    assert row["total_bytes"] < 0.15 * row["memory_bytes"] and row["left_bytes"] > 100 * 10**9, row
