@@ -6,7 +6,7 @@
     python3 bench/load_memory.py --model /data/q08-fp8 --format fp8 --device cuda --out $OUT/load-folder.json
 
 ``--model`` is a preset (seeded weights generated on the device) or a checkpoint folder. ``--write-checkpoint``
-writes the preset's seeded weights as a sharded folder (``flashrt_ros.runtime.checkpoint_writer``: dense bf16,
+writes the preset's seeded weights as a sharded folder (``flashrt_ros.tools.checkpoint_writer``: dense bf16,
 Qwen's FP8 block layout, or compressed-tensors NVFP4), generated on ``--device``, and evicts its files from the page
 cache so the next load reads the disk. Measured: load time (weights, then the arena), GB/s from disk (the folder's
 safetensors bytes / load time), peak device memory (``torch.cuda.max_memory_allocated``, reset before; on the CPU the
@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from flashrt_ros.runtime import checkpoint_writer, memory_peak, quant, weights  # noqa: E402
+from flashrt_ros.runtime import quant, weights  # noqa: E402
+from flashrt_ros.tools import checkpoint_writer, memory_peak  # noqa: E402
 from flashrt_ros.runtime.arena import Arena, buffer_specs  # noqa: E402
 from flashrt_ros.runtime.checkpoint import read_scheme  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS, read_config  # noqa: E402

@@ -40,7 +40,7 @@ def imrope_sections(rotary_dim: int) -> list[int]:
 def hf_config(cfg) -> dict:
     """The ``config.json`` an HF Qwen3_5ForCausalLM checkpoint of this ModelConfig would carry, with the fields the
     converter reads beyond ours (the attention interval, the MRoPE sections)."""
-    from flashrt_ros.runtime.checkpoint_writer import hf_config as text_config
+    from flashrt_ros.tools.checkpoint_writer import hf_config as text_config
 
     config = text_config(cfg)
     config["full_attention_interval"] = 4

@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 import bench_scripts
 import hf_checkpoints as hf
-from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, checkpoint_writer, memory_peak, weights
+from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, weights
+from flashrt_ros.tools import checkpoint_writer, memory_peak
 
 
 def load(folder, **overrides) -> Engine:

@@ -90,7 +90,7 @@ def test_plan_counts_the_bytes_a_load_allocates(capsys, fmt):
 def test_thor_profile_fits_128_gb_with_room_for_the_rest_of_the_robot(capsys):
     """config/thor.yaml's model, format, context, capsule budget and rollback depth: the engine takes under 15% of
     Thor's 128 GB, leaving over 100 GB to the OS, perception and planning (what the file's comments promise)."""
-    params = yaml.safe_load((Path(__file__).resolve().parent.parent / "config" / "thor.yaml").read_text())
+    params = yaml.safe_load((Path(__file__).resolve().parents[2] / "config" / "thor.yaml").read_text())
     p = params["/**"]["ros__parameters"]
     preset = Path(p["model"]).name.lower()                  # /opt/flashrt/models/Qwen3.5-2B -> the qwen3.5-2b preset
     code, out, _ = run(capsys, "plan", "--presets", preset, "--formats", p["weights_format"], "--dtype", p["dtype"],

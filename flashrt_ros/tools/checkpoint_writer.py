@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from . import quant
-from .config import PRESETS, ModelConfig
-from .kernels import quant_gemv as kq
-from .model import Qwen35
-from .weights import random_rows
+from flashrt_ros.runtime import quant
+from flashrt_ros.runtime.config import PRESETS, ModelConfig
+from flashrt_ros.runtime.kernels import quant_gemv as kq
+from flashrt_ros.runtime.model import Qwen35
+from flashrt_ros.runtime.weights import random_rows
 
 FP8_BLOCK = 128
 DTYPE = torch.bfloat16

@@ -16,7 +16,8 @@ from transformers import Qwen3_5ForCausalLM
 import bench_scripts
 import ct_checkpoints as ct
 import hf_checkpoints as hf
-from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, checkpoint_writer, quant, weights
+from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, quant, weights
+from flashrt_ros.tools import checkpoint_writer
 
 PROMPT = list(range(3, 40))
 FORMAT_OF = {"fp8-block": "fp8", "nvfp4": "nvfp4", "nvfp4-a16": "nvfp4"}

@@ -4,7 +4,7 @@ from conftest import TINY_PARAMS, RosClient, running_node
 from lifecycle_msgs.msg import State, Transition
 from lifecycle_msgs.srv import ChangeState, GetState
 
-from flashrt_ros.runtime import checkpoint_writer
+from flashrt_ros.tools import checkpoint_writer
 from flashrt_ros.srv import Snapshot
 
 

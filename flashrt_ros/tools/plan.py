@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from . import quant
-from .arena import buffer_specs
-from .config import ModelConfig
-from .model import Qwen35
+from flashrt_ros.runtime import quant
+from flashrt_ros.runtime.arena import buffer_specs
+from flashrt_ros.runtime.config import ModelConfig
+from flashrt_ros.runtime.model import Qwen35
 
 THOR_MEMORY_BYTES = 128 * 10**9
 
