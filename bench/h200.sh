@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# capsules; quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS)
+# capsules | load; quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS)
 # Every phase keeps its whole log under $OUT (the device tool returns only the output's tail).
-# The wheels in .whl (transformers 5.24.0, fla-core 0.6.0: what the machine lacks) are installed first.
+# The wheels in .whl, where there are any (transformers 5.24.0, fla-core 0.6.0: what the machine lacks), are installed first.
+# Runs on an H100 as well: every result records the card's name.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+if compgen -G '.whl/*.whl' > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee -a "$OUT/gpu.txt"
@@ -20,8 +23,8 @@ for phase in "$@"; do
   echo "===== $phase"
   case "$phase" in
     check)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/test_runtime_gpu.py \
-          test/test_kernels_*.py > "$OUT/check_pytest.log" 2>&1; echo "pytest rc=$?"
+      timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_runtime_gpu.py \
+          test/runtime/test_kernels_*.py > "$OUT/check_pytest.log" 2>&1; echo "pytest rc=$?"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/check_pytest.log" | tail -25
       for kernels in triton reference; do
         python3 -m flashrt_ros.tools verify --model qwen3.5-0.8b --device cuda --dtype bfloat16 --kernels $kernels \
@@ -37,7 +40,7 @@ for phase in "$@"; do
       [ $rc -eq 0 ] && cp "$OUT/quant_gemv_configs.py" flashrt_ros/runtime/kernels/quant_gemv_configs.py
       ;;
     quant-tests)
-      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/test_runtime_quant.py \
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_runtime_quant.py \
           > "$OUT/quant_pytest.log" 2>&1; echo "pytest rc=$?"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/quant_pytest.log" | tail -15
       ;;
@@ -68,6 +71,30 @@ for phase in "$@"; do
       python3 -m flashrt_ros.tools.bench_files --mib 243 --device cuda --dir /tmp/capsule_files --repeats 5 \
           --json "$OUT/bench_files_cuda.json" > "$OUT/bench_files_cuda.log" 2>&1
       echo "bench_files rc=$?"; tail -8 "$OUT/bench_files_cuda.log"
+      ;;
+    load)  # issue 25: load time, disk GB/s, peak device memory and RSS against the final bytes, per preset and format
+      for preset in ${LOAD_PRESETS:-qwen3.5-0.8b qwen3.6-27b}; do
+        for format in dense fp8 nvfp4; do
+          timeout 300 python3 bench/load_memory.py --model $preset --format $format --device cuda \
+              --out "$OUT/load_${preset}_${format}_preset.json" >> "$OUT/load.log" 2>&1; echo "load $preset $format rc=$?"
+        done
+      done
+      # From disk: synthetic folders of the preset's shape, written on the device, one at a time (64 GB disk).
+      for folder in ${LOAD_FOLDERS:-qwen3.5-0.8b:dense qwen3.5-0.8b:fp8 qwen3.5-0.8b:nvfp4 qwen3.6-27b:nvfp4}; do
+        preset=${folder%%:*}; format=${folder##*:}; dir=/tmp/ckpt_${preset}_$format
+        timeout 400 python3 bench/load_memory.py --write-checkpoint $dir --model $preset --checkpoint-format $format \
+            --device cuda > /dev/null 2>&1 && timeout 300 python3 bench/load_memory.py --model $dir --format $format \
+            --device cuda --out "$OUT/load_${preset}_${format}_folder.json" >> "$OUT/load.log" 2>&1
+        echo "load folder $preset $format rc=$?"; rm -rf $dir
+      done
+      python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("load_*.json")):
+    d = json.loads(f.read_text())
+    print(f.name, f"load {d['load_s']:.2f}s", f"disk {d['disk_gb_per_s'] or 0:.2f} GB/s",
+          f"peak {d['peak_device_bytes']/1e9:.2f} GB", f"final+arena {(d['final_weight_bytes']+d['arena_bytes'])/1e9:.2f} GB",
+          f"ratio {d['peak_over_final']:.4f}", f"rss {d['peak_rss_bytes']/1e9:.2f} GB")
+PY
       ;;
   esac
 done
