@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from . import capsule_file
-from .capsules import Capsule, CapsuleInfo
+from .capsule import file as capsule_file
+from .capsule.capsule import Capsule, CapsuleInfo
 from .checksum import checksum
 from .timing import timed
 

@@ -17,17 +17,17 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from . import capsule_file as capsule_io
+from .capsule import file as capsule_io
 from .arena import RNG_COUNTER, RNG_SEED, Arena, buffer_specs
-from .capsule_store import (DEVICE, DISK, FIXED, Block, DeltaStore, Layout, LiveRows, StoredCapsule, is_pinned,
+from .capsule.store import (DEVICE, DISK, FIXED, Block, DeltaStore, Layout, LiveRows, StoredCapsule, is_pinned,
                             row_parts, rows_of_full)
-from .capsules import CapsuleInfo, label_nbytes
+from .capsule.capsule import CapsuleInfo, label_nbytes
 from .checksum import checksum
 from .config import PRESETS
 from .errors import ErrorCode, FlashRTError
 from .graphs import GraphRunner
 from .kernels import quant_gemv
-from . import capsule_tiers
+from .capsule import tiers as capsule_tiers
 from . import kernels as kernel_sets
 from . import platform, quant
 from .model import PIECE_BUCKET, SMALL_PIECE

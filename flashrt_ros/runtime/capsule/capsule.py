@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from .errors import ErrorCode, FlashRTError
+from ..errors import ErrorCode, FlashRTError
 
 MAX_ID_CHARS = 64
 MAX_LABEL_BYTES = 256      # UTF-8 bytes; a label is held with its capsule and counts in the budget

@@ -17,9 +17,9 @@ import itertools
 
 import torch
 
-from .arena import Arena
-from .capsules import INTERRUPTED_PREFIX, Capsule, CapsuleInfo, CapsuleStore, label_nbytes
-from .errors import ErrorCode, FlashRTError
+from ..arena import Arena
+from .capsule import INTERRUPTED_PREFIX, Capsule, CapsuleInfo, CapsuleStore, label_nbytes
+from ..errors import ErrorCode, FlashRTError
 
 FIXED = "fixed"          # the pseudo-buffer of the fixed-size state: one row of Layout.fixed_bytes
 DEVICE, HOST, DISK = "device", "host", "disk"     # tiers: the engine's device, pinned host memory, capsule_dir

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from . import capsule_file
-from .capsule_store import DEVICE, DISK, HOST, DeltaStore, StoredCapsule, is_pinned, rows_of_full
-from .capsules import Capsule
-from .errors import ErrorCode, FlashRTError
+from . import file as capsule_file
+from .store import DEVICE, DISK, HOST, DeltaStore, StoredCapsule, is_pinned, rows_of_full
+from .capsule import Capsule
+from ..errors import ErrorCode, FlashRTError
 
 POLICIES = ("refuse", "lru")
 _log = logging.getLogger("flashrt.runtime")

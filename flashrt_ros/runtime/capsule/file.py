@@ -37,9 +37,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from .capsules import Capsule, CapsuleInfo, label_nbytes, validate_capsule_id
-from .checksum import checksum
-from .errors import ErrorCode, FlashRTError
+from .capsule import Capsule, CapsuleInfo, label_nbytes, validate_capsule_id
+from ..checksum import checksum
+from ..errors import ErrorCode, FlashRTError
 
 FILE_SUFFIX = ".capsule"
 MIN_KEY_BYTES = 16
