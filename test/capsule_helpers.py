@@ -1,7 +1,7 @@
 """Test helpers that reach into the capsule store (what bit rot in memory would do)."""
 import torch
 
-from flashrt_ros.runtime.capsule.store import opaque_rows, segment_bytes
+from flashrt_ros.runtime.capsule.capsule import opaque_rows, segment_bytes
 
 
 def flip_capsule_byte(engine, capsule_id: str, index: int, mask: int = 0x01) -> None:

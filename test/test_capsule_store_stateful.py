@@ -19,8 +19,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
 from flashrt_ros.runtime.capsule import file as capsule_file
-from flashrt_ros.runtime.capsule.store import DEVICE, HOST
-from flashrt_ros.runtime.capsule.capsule import label_nbytes
+from flashrt_ros.runtime.capsule.capsule import DEVICE, HOST, label_nbytes
 
 # room for about six capsules at full context: snapshots, forks and fetches evict (lru) to disk
 CONFIG = EngineConfig(model="tiny", max_context=160, prefill_chunk=16, history_depth=6,

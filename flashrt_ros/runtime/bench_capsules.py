@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import bench_files
-from .capsule.store import DISK, HOST
+from .capsule.capsule import DISK, HOST
 from .engine import Engine
 from .timing import timed
 from .verify import prompt_tokens

@@ -19,9 +19,9 @@ import torch
 
 from .capsule import file as capsule_io
 from .arena import RNG_COUNTER, RNG_SEED, Arena, buffer_specs
-from .capsule.store import (DEVICE, DISK, FIXED, Block, DeltaStore, Layout, LiveRows, StoredCapsule, is_pinned,
-                            row_parts, rows_of_full)
-from .capsule.capsule import CapsuleInfo, label_nbytes
+from .capsule.capsule import (DEVICE, DISK, FIXED, Block, CapsuleInfo, Layout, StoredCapsule, is_pinned, label_nbytes,
+                              row_parts, rows_of_full)
+from .capsule.store import CapsuleStore, LiveRows
 from .checksum import checksum
 from .config import PRESETS
 from .errors import ErrorCode, FlashRTError
@@ -150,7 +150,7 @@ class Engine:
         self._count = torch.ones((), dtype=torch.int64, device=self.device)  # real tokens of a small piece
         self.fingerprint = self._compute_fingerprint(dtype)
         self.layout = Layout.of(self.arena)
-        self.store = DeltaStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
+        self.store = CapsuleStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
                                                               self.platform, platform.mem_available_bytes()),
                                 self.layout)
         self._live_rows = LiveRows(self.layout.row_bytes)     # which stored blocks the live KV rows equal

@@ -1,11 +1,24 @@
-"""Capsules (immutable copies of the live state) and the budgeted store that holds them (files: capsule_file.py)."""
+"""What a capsule is: its id and label rules, its info, and its bytes.
+
+A capsule is an immutable copy of the engine's live state, identified by the engine's fingerprint (model, config,
+plan: a capsule restores only into an engine of the same fingerprint). Its bytes follow the arena's manifest
+(:class:`Layout`): the fixed-size state (meta, hidden, conv, recurrent) as one row, then each KV buffer's rows
+[0, position).
+
+KV caches are append-only and position-major, so a capsule taken after its lineage parent repeats the parent's rows
+[0, p). A stored capsule is therefore a list of *segments* per buffer: (block, lo, hi) = rows [lo, hi) of an
+immutable, reference-counted :class:`Block`, in row order, covering [0, position); the fixed-size state is one more
+buffer of one row (:data:`FIXED`).
+"""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 import torch
 
+from ..arena import Arena
 from ..errors import ErrorCode, FlashRTError
 
 MAX_ID_CHARS = 64
@@ -13,9 +26,7 @@ MAX_LABEL_BYTES = 256      # UTF-8 bytes; a label is held with its capsule and c
 INTERRUPTED_PREFIX = "interrupted-"   # a preempted stream is kept as interrupted-<request id>
 RESERVED_ID_PREFIXES = (INTERRUPTED_PREFIX,)   # ids the node creates itself: clients may not take them
 _ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,%d}" % MAX_ID_CHARS)
-# Explicit ids of the generated form move the numbering on (a bag replay names them); beyond 9 digits they do not,
-# so a generated id stays short (at most 1 + 10 characters) whatever a client chose.
-_AUTO_ID = re.compile(r"c(\d{4,9})")
+_block_ids = itertools.count(1)
 
 
 def validate_capsule_id(capsule_id: str) -> str:
@@ -56,7 +67,7 @@ class CapsuleInfo:
     tier: str          # device | host | disk
     checksum: str
     created: float     # unix time
-    own_bytes: int = 0       # held by this capsule alone (capsule_store.DeltaStore fills these in)
+    own_bytes: int = 0       # held by this capsule alone (the store fills these in)
     shared_bytes: int = 0    # held in blocks other capsules hold too (counted once in the budget)
     pinned: bool = False     # never evicted off the device
 
@@ -68,67 +79,92 @@ class Capsule:
     data: torch.Tensor  # uint8, the arena's live bytes in manifest order
 
 
-class CapsuleStore:
-    """Capsules by id, in creation order, with their lineage and the automatic numbering. What they hold and the
-    byte budget are the subclass's (:class:`flashrt_ros.runtime.capsule_store.DeltaStore`). Failed calls change
-    nothing."""
+FIXED = "fixed"          # the pseudo-buffer of the fixed-size state: one row of Layout.fixed_bytes
+DEVICE, HOST, DISK = "device", "host", "disk"     # tiers: the engine's device, pinned host memory, capsule_dir
 
-    def __init__(self, budget_bytes: int):
-        self.budget_bytes = budget_bytes
-        self._capsules: dict[str, Capsule] = {}
-        # lineage: stored id -> nearest stored ancestor ("" = none); a drop re-points its children
-        self._parents: dict[str, str] = {}
-        self._counter = 0
 
-    def __contains__(self, capsule_id: str) -> bool:
-        return capsule_id in self._capsules
+@dataclasses.dataclass(eq=False)
+class Block:
+    """Rows [start, start + rows) of one buffer; never written after it is made."""
+    start: int
+    row_bytes: int
+    data: torch.Tensor       # uint8, rows * row_bytes
+    id: int = dataclasses.field(default_factory=lambda: next(_block_ids))
+    refs: int = 0            # segments of stored capsules that hold it
 
-    def get(self, capsule_id: str) -> Capsule:
-        validate_capsule_id(capsule_id)
-        try:
-            return self._capsules[capsule_id]
-        except KeyError:
-            raise FlashRTError(ErrorCode.UNKNOWN_CAPSULE, f"no capsule {capsule_id!r}") from None
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
 
-    def new_id(self, requested: str | None, label: str = "") -> str:
-        """Validate a requested id (or pick the next free ``cNNNN``) and the label before any bytes are copied.
 
-        Nothing is reserved: a later refusal (e.g. the budget) leaves the numbering as it was.
-        """
-        label_nbytes(label)
-        if requested:
-            validate_capsule_id(requested)
-            if requested in self._capsules:
-                raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"capsule {requested!r} already exists")
-            return requested
-        number = self._counter + 1
-        while f"c{number:04d}" in self._capsules:
-            number += 1
-        return f"c{number:04d}"
+Segment = tuple[Block, int, int]          # block, first row, end row (absolute positions)
 
-    def add(self, capsule: Capsule, lineage_parent: str) -> None:
-        """Store a capsule; ``lineage_parent`` is a stored capsule it descends from, or ""."""
-        self._capsules[capsule.info.id] = capsule
-        self._parents[capsule.info.id] = lineage_parent if lineage_parent in self._capsules else ""
-        numbered = _AUTO_ID.fullmatch(capsule.info.id)
-        if numbered:   # ids given explicitly (e.g. by a bag replay) move the numbering on, as when picked here
-            self._counter = max(self._counter, int(numbered.group(1)))
 
-    def drop(self, capsule_id: str) -> str:
-        """Remove a capsule; returns its nearest stored ancestor, which its children now descend from."""
-        self.get(capsule_id)
-        del self._capsules[capsule_id]
-        parent = self._parents.pop(capsule_id)
-        for child, ancestor in self._parents.items():
-            if ancestor == capsule_id:
-                self._parents[child] = parent
-        return parent
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The capsule byte layout of an arena: the fixed-size state, then each KV buffer's rows [0, position)."""
+    fixed_bytes: int
+    row_bytes: dict[str, int]              # KV buffers in capsule order
 
-    def ancestors(self, capsule_id: str) -> list[str]:
-        """capsule_id, then its stored ancestors, nearest first."""
-        chain = []
-        while capsule_id in self._capsules:
-            chain.append(capsule_id)
-            capsule_id = self._parents[capsule_id]
-        return chain
+    @classmethod
+    def of(cls, arena: Arena) -> "Layout":
+        specs = list(arena.specs.values())
+        kinds = [s.per_token for s in specs]
+        if kinds != sorted(kinds):
+            raise ValueError("the capsule layout needs every fixed-size buffer before the KV buffers")
+        return cls(arena.live_nbytes(0), {s.name: s.row_bytes for s in specs if s.per_token})
 
+    def nbytes(self, position: int) -> int:
+        return self.fixed_bytes + position * sum(self.row_bytes.values())
+
+
+def segment_bytes(segment: Segment) -> torch.Tensor:
+    block, lo, hi = segment
+    return block.data[(lo - block.start) * block.row_bytes:(hi - block.start) * block.row_bytes]
+
+
+def row_parts(rows: dict[str, tuple[Segment, ...]]) -> list[torch.Tensor]:
+    """A capsule's bytes as views of its blocks, in capsule layout order (FIXED first): concatenated, its bytes."""
+    return [segment_bytes(s) for segs in rows.values() for s in segs]
+
+
+@dataclasses.dataclass(eq=False)
+class StoredCapsule:
+    """A stored capsule: its info and its bytes: on the device tier its segments per buffer (FIXED first), on the
+    host tier one full host tensor, on the disk tier its file (``<capsule_dir>/<id>.capsule``)."""
+    info: CapsuleInfo
+    fingerprint: str
+    rows: dict[str, tuple[Segment, ...]]
+    pinned: bool = False
+    last_used: int = 0
+    tier: str = DEVICE
+    host: torch.Tensor | None = None
+    owns_file: bool = False      # its file was written by a spill (a drop deletes it); exports and indexed files stay
+
+
+def is_pinned(stored: StoredCapsule) -> bool:
+    """Pinned capsules (and the node's interrupted-* ones) never leave the device."""
+    return stored.pinned or stored.info.id.startswith(INTERRUPTED_PREFIX)
+
+
+
+def rows_of_full(layout: Layout, data: torch.Tensor, position: int,
+                 device: torch.device | None = None) -> dict[str, tuple[Segment, ...]]:
+    """Fresh blocks on ``device`` (default: data's), copies one per buffer, holding a full capsule's bytes ``data``."""
+    device = data.device if device is None else device
+
+    def copy(start: int, length: int) -> torch.Tensor:
+        return torch.empty(length, dtype=torch.uint8, device=device).copy_(data[start:start + length])
+
+    rows = {FIXED: ((Block(0, layout.fixed_bytes, copy(0, layout.fixed_bytes)), 0, 1),)}
+    offset = layout.fixed_bytes
+    for name, row_size in layout.row_bytes.items():
+        length = position * row_size
+        rows[name] = ((Block(0, row_size, copy(offset, length)), 0, position),) if position else ()
+        offset += length
+    return rows
+
+
+def opaque_rows(data: torch.Tensor) -> dict[str, tuple[Segment, ...]]:
+    """A capsule of another engine (its layout unknown here): one block, kept whole; it never restores."""
+    return {FIXED: ((Block(0, data.numel(), data.clone()), 0, 1),)}

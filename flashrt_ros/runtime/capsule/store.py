@@ -1,145 +1,76 @@
-"""Delta capsules: a capsule's bytes as shared, immutable row blocks, and what the live arena holds of them.
+"""The capsule store: capsules by id over shared blocks, their lineage, the numbering and the device byte budget;
+and :class:`LiveRows`, what the live arena holds of the stored blocks.
 
-KV caches are append-only and position-major, so a capsule taken after its lineage parent repeats the parent's rows
-[0, p). A capsule here is therefore a list of *segments* per buffer: (block, lo, hi) = rows [lo, hi) of an immutable
-block, in row order, covering [0, position). The fixed-size state (meta, hidden, conv, recurrent) is one more buffer
-of one row. Blocks are reference-counted: dropping a capsule frees only the blocks no other capsule holds, and the
-budget counts every block once, so it is exactly the bytes held.
-
-:class:`LiveRows` records, per KV buffer, which blocks the live arena's rows [0, valid) equal (by block identity, so
-nothing is kept alive by it): a snapshot shares those rows instead of copying them, and a restore copies only rows
-where the live arena and the capsule are backed by different blocks.
+Blocks are reference-counted: dropping a capsule frees only the blocks no other capsule holds, and the budget counts
+every block once, so it is exactly the bytes held. :class:`LiveRows` records, per KV buffer, which blocks the live
+arena's rows [0, valid) equal (by block identity, so nothing is kept alive by it): a snapshot shares those rows
+instead of copying them, and a restore copies only rows where the live arena and the capsule are backed by different
+blocks.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import torch
 
-from ..arena import Arena
-from .capsule import INTERRUPTED_PREFIX, Capsule, CapsuleInfo, CapsuleStore, label_nbytes
 from ..errors import ErrorCode, FlashRTError
+from .capsule import (DEVICE, Block, Capsule, CapsuleInfo, Layout, Segment, StoredCapsule, is_pinned, label_nbytes,
+                      row_parts, validate_capsule_id)
 
-FIXED = "fixed"          # the pseudo-buffer of the fixed-size state: one row of Layout.fixed_bytes
-DEVICE, HOST, DISK = "device", "host", "disk"     # tiers: the engine's device, pinned host memory, capsule_dir
-_block_ids = itertools.count(1)
-
-
-@dataclasses.dataclass(eq=False)
-class Block:
-    """Rows [start, start + rows) of one buffer; never written after it is made."""
-    start: int
-    row_bytes: int
-    data: torch.Tensor       # uint8, rows * row_bytes
-    id: int = dataclasses.field(default_factory=lambda: next(_block_ids))
-    refs: int = 0            # segments of stored capsules that hold it
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
+# Explicit ids of the generated form move the numbering on (a bag replay names them); beyond 9 digits they do not,
+# so a generated id stays short (at most 1 + 10 characters) whatever a client chose.
+_AUTO_ID = re.compile(r"c(\d{4,9})")
 
 
-Segment = tuple[Block, int, int]          # block, first row, end row (absolute positions)
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """The capsule byte layout of an arena: the fixed-size state, then each KV buffer's rows [0, position)."""
-    fixed_bytes: int
-    row_bytes: dict[str, int]              # KV buffers in capsule order
-
-    @classmethod
-    def of(cls, arena: Arena) -> "Layout":
-        specs = list(arena.specs.values())
-        kinds = [s.per_token for s in specs]
-        if kinds != sorted(kinds):
-            raise ValueError("the capsule layout needs every fixed-size buffer before the KV buffers")
-        return cls(arena.live_nbytes(0), {s.name: s.row_bytes for s in specs if s.per_token})
-
-    def nbytes(self, position: int) -> int:
-        return self.fixed_bytes + position * sum(self.row_bytes.values())
-
-
-def segment_bytes(segment: Segment) -> torch.Tensor:
-    block, lo, hi = segment
-    return block.data[(lo - block.start) * block.row_bytes:(hi - block.start) * block.row_bytes]
-
-
-def row_parts(rows: dict[str, tuple[Segment, ...]]) -> list[torch.Tensor]:
-    """A capsule's bytes as views of its blocks, in capsule layout order (FIXED first): concatenated, its bytes."""
-    return [segment_bytes(s) for segs in rows.values() for s in segs]
-
-
-@dataclasses.dataclass(eq=False)
-class StoredCapsule:
-    """A stored capsule: its info and its bytes: on the device tier its segments per buffer (FIXED first), on the
-    host tier one full host tensor, on the disk tier its file (``<capsule_dir>/<id>.capsule``)."""
-    info: CapsuleInfo
-    fingerprint: str
-    rows: dict[str, tuple[Segment, ...]]
-    pinned: bool = False
-    last_used: int = 0
-    tier: str = DEVICE
-    host: torch.Tensor | None = None
-    owns_file: bool = False      # its file was written by a spill (a drop deletes it); exports and indexed files stay
-
-
-def is_pinned(stored: StoredCapsule) -> bool:
-    """Pinned capsules (and the node's interrupted-* ones) never leave the device."""
-    return stored.pinned or stored.info.id.startswith(INTERRUPTED_PREFIX)
-
-
-class LiveRows:
-    """Per KV buffer: the blocks whose rows the live arena holds, as (block id, lo, hi), equal up to ``valid``."""
-
-    def __init__(self, names):
-        self._names = tuple(names)
-        self.clear()
-
-    def clear(self) -> None:
-        self._rows: dict[str, tuple[tuple[int, int, int], ...]] = {n: () for n in self._names}
-        self._valid = dict.fromkeys(self._names, 0)
-
-    def set(self, name: str, segments: tuple[Segment, ...], valid: int) -> None:
-        self._rows[name] = tuple((b.id, lo, hi) for b, lo, hi in segments)
-        self._valid[name] = valid
-
-    def truncate(self, position: int) -> None:
-        """Rows from ``position`` on are no longer known (rollback; new tokens are written there next)."""
-        for name in self._names:
-            self._valid[name] = min(self._valid[name], position)
-
-    def common(self, name: str, segments: tuple[Segment, ...]) -> int:
-        """How many leading rows of ``segments`` the live arena already holds (same blocks, same rows)."""
-        live, done, i, j = self._rows[name], 0, 0, 0
-        while i < len(live) and j < len(segments) and live[i][0] == segments[j][0].id:
-            done = min(live[i][2], segments[j][2])
-            i += live[i][2] == done
-            j += segments[j][2] == done
-        return min(done, self._valid[name])
-
-    def shareable(self, name: str, limit: int, blocks: dict[int, Block]) -> tuple[Segment, ...]:
-        """The live rows [0, q <= limit) still backed by stored blocks, as segments (q as large as possible)."""
-        limit = min(limit, self._valid[name])
-        out = []
-        for bid, lo, hi in self._rows[name]:
-            block = blocks.get(bid)
-            if block is None or lo >= limit:
-                break
-            out.append((block, lo, min(hi, limit)))
-        return tuple(out)
-
-
-class DeltaStore(CapsuleStore):
-    """The capsule store over shared blocks: ids, lineage and the budget as in :class:`CapsuleStore`, bytes counted
-    once per block. Values are :class:`StoredCapsule`."""
+class CapsuleStore:
+    """Capsules by id (:class:`StoredCapsule`), in creation order, with their lineage and the automatic numbering;
+    their bytes as shared blocks, counted once per block in the device budget. Failed calls change nothing."""
 
     def __init__(self, budget_bytes: int, layout: Layout):
-        super().__init__(budget_bytes)
+        self.budget_bytes = budget_bytes
         self.layout = layout
+        self._capsules: dict[str, StoredCapsule] = {}
+        # lineage: stored id -> nearest stored ancestor ("" = none); a drop re-points its children
+        self._parents: dict[str, str] = {}
+        self._counter = 0
         self._blocks: dict[int, Block] = {}     # every block some stored capsule holds, by id
         self._clock = itertools.count(1)
+
+    def __contains__(self, capsule_id: str) -> bool:
+        return capsule_id in self._capsules
+
+    def get(self, capsule_id: str) -> StoredCapsule:
+        validate_capsule_id(capsule_id)
+        try:
+            return self._capsules[capsule_id]
+        except KeyError:
+            raise FlashRTError(ErrorCode.UNKNOWN_CAPSULE, f"no capsule {capsule_id!r}") from None
+
+    def new_id(self, requested: str | None, label: str = "") -> str:
+        """Validate a requested id (or pick the next free ``cNNNN``) and the label before any bytes are copied.
+
+        Nothing is reserved: a later refusal (e.g. the budget) leaves the numbering as it was.
+        """
+        label_nbytes(label)
+        if requested:
+            validate_capsule_id(requested)
+            if requested in self._capsules:
+                raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"capsule {requested!r} already exists")
+            return requested
+        number = self._counter + 1
+        while f"c{number:04d}" in self._capsules:
+            number += 1
+        return f"c{number:04d}"
+
+    def ancestors(self, capsule_id: str) -> list[str]:
+        """capsule_id, then its stored ancestors, nearest first."""
+        chain = []
+        while capsule_id in self._capsules:
+            chain.append(capsule_id)
+            capsule_id = self._parents[capsule_id]
+        return chain
 
     @property
     def blocks(self) -> dict[int, Block]:
@@ -169,9 +100,14 @@ class DeltaStore(CapsuleStore):
         return sum(b.nbytes for b in fresh.values())
 
     def add(self, capsule: StoredCapsule, lineage_parent: str) -> None:
-        """Store a capsule within the budget (its new blocks and its label)."""
+        """Store a capsule within the budget (its new blocks and its label); ``lineage_parent`` is a stored capsule
+        it descends from, or ""."""
         self.check_room(self.added_bytes(capsule), capsule.info.label)
-        super().add(capsule, lineage_parent)
+        self._capsules[capsule.info.id] = capsule
+        self._parents[capsule.info.id] = lineage_parent if lineage_parent in self._capsules else ""
+        numbered = _AUTO_ID.fullmatch(capsule.info.id)
+        if numbered:   # ids given explicitly (e.g. by a bag replay) move the numbering on, as when picked here
+            self._counter = max(self._counter, int(numbered.group(1)))
 
     def add_rows(self, info: CapsuleInfo, fingerprint: str, rows: dict[str, tuple[Segment, ...]],
                  lineage_parent: str, pinned: bool = False) -> StoredCapsule:
@@ -223,7 +159,11 @@ class DeltaStore(CapsuleStore):
         ancestor."""
         stored = self.get(capsule_id)
         before = self.used_bytes + self.host_bytes
-        parent = super().drop(capsule_id)
+        del self._capsules[capsule_id]
+        parent = self._parents.pop(capsule_id)
+        for child, ancestor in self._parents.items():
+            if ancestor == capsule_id:
+                self._parents[child] = parent
         self.release(stored)
         stored.host = None
         return before - self.used_bytes - self.host_bytes, parent
@@ -273,23 +213,43 @@ class DeltaStore(CapsuleStore):
         return Capsule(stored.info, stored.fingerprint, self.materialise(capsule_id))
 
 
-def rows_of_full(layout: Layout, data: torch.Tensor, position: int,
-                 device: torch.device | None = None) -> dict[str, tuple[Segment, ...]]:
-    """Fresh blocks on ``device`` (default: data's), copies one per buffer, holding a full capsule's bytes ``data``."""
-    device = data.device if device is None else device
 
-    def copy(start: int, length: int) -> torch.Tensor:
-        return torch.empty(length, dtype=torch.uint8, device=device).copy_(data[start:start + length])
+class LiveRows:
+    """Per KV buffer: the blocks whose rows the live arena holds, as (block id, lo, hi), equal up to ``valid``."""
 
-    rows = {FIXED: ((Block(0, layout.fixed_bytes, copy(0, layout.fixed_bytes)), 0, 1),)}
-    offset = layout.fixed_bytes
-    for name, row_size in layout.row_bytes.items():
-        length = position * row_size
-        rows[name] = ((Block(0, row_size, copy(offset, length)), 0, position),) if position else ()
-        offset += length
-    return rows
+    def __init__(self, names):
+        self._names = tuple(names)
+        self.clear()
 
+    def clear(self) -> None:
+        self._rows: dict[str, tuple[tuple[int, int, int], ...]] = {n: () for n in self._names}
+        self._valid = dict.fromkeys(self._names, 0)
 
-def opaque_rows(data: torch.Tensor) -> dict[str, tuple[Segment, ...]]:
-    """A capsule of another engine (its layout unknown here): one block, kept whole; it never restores."""
-    return {FIXED: ((Block(0, data.numel(), data.clone()), 0, 1),)}
+    def set(self, name: str, segments: tuple[Segment, ...], valid: int) -> None:
+        self._rows[name] = tuple((b.id, lo, hi) for b, lo, hi in segments)
+        self._valid[name] = valid
+
+    def truncate(self, position: int) -> None:
+        """Rows from ``position`` on are no longer known (rollback; new tokens are written there next)."""
+        for name in self._names:
+            self._valid[name] = min(self._valid[name], position)
+
+    def common(self, name: str, segments: tuple[Segment, ...]) -> int:
+        """How many leading rows of ``segments`` the live arena already holds (same blocks, same rows)."""
+        live, done, i, j = self._rows[name], 0, 0, 0
+        while i < len(live) and j < len(segments) and live[i][0] == segments[j][0].id:
+            done = min(live[i][2], segments[j][2])
+            i += live[i][2] == done
+            j += segments[j][2] == done
+        return min(done, self._valid[name])
+
+    def shareable(self, name: str, limit: int, blocks: dict[int, Block]) -> tuple[Segment, ...]:
+        """The live rows [0, q <= limit) still backed by stored blocks, as segments (q as large as possible)."""
+        limit = min(limit, self._valid[name])
+        out = []
+        for bid, lo, hi in self._rows[name]:
+            block = blocks.get(bid)
+            if block is None or lo >= limit:
+                break
+            out.append((block, lo, min(hi, limit)))
+        return tuple(out)

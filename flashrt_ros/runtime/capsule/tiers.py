@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from . import file as capsule_file
-from .store import DEVICE, DISK, HOST, DeltaStore, StoredCapsule, is_pinned, rows_of_full
-from .capsule import Capsule
+from .capsule import DEVICE, DISK, HOST, Capsule, StoredCapsule, is_pinned, rows_of_full
+from .store import CapsuleStore
 from ..errors import ErrorCode, FlashRTError
 
 POLICIES = ("refuse", "lru")
@@ -42,7 +42,7 @@ class _Write:
 
 
 class Tiers:
-    def __init__(self, store: DeltaStore, device: torch.device, capsule_dir: Path | None, key: bytes | None,
+    def __init__(self, store: CapsuleStore, device: torch.device, capsule_dir: Path | None, key: bytes | None,
                  host_tier: bool, host_budget_bytes: int):
         self.store, self.device, self.capsule_dir, self.key = store, device, capsule_dir, key
         self.host_budget_bytes = host_budget_bytes if host_tier else 0
