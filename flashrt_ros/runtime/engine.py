@@ -17,17 +17,17 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from .capsule import file as capsule_io
 from .arena import RNG_COUNTER, RNG_SEED, Arena, buffer_specs
-from .capsule.capsule import (DEVICE, DISK, FIXED, Block, CapsuleInfo, Layout, StoredCapsule, is_pinned, label_nbytes,
-                              row_parts, rows_of_full)
+from .capsule import file as capsule_io
+from .capsule import tiers as capsule_tiers
+from .capsule.capsule import FIXED, Block, CapsuleInfo, Layout, StoredCapsule, row_parts
+from .capsule.manager import CapsuleManager
 from .capsule.store import CapsuleStore, LiveRows
 from .checksum import checksum
 from .config import PRESETS
 from .errors import ErrorCode, FlashRTError
 from .graphs import GraphRunner
 from .kernels import quant_gemv
-from .capsule import tiers as capsule_tiers
 from . import kernels as kernel_sets
 from . import platform, quant
 from .model import PIECE_BUCKET, SMALL_PIECE
@@ -156,7 +156,10 @@ class Engine:
         self._live_rows = LiveRows(self.layout.row_bytes)     # which stored blocks the live KV rows equal
         self.last_restore_bytes = 0
         self.tiers = capsule_tiers.Tiers(self.store, self.device, self.capsule_dir, self._capsule_key,
-                                         self.platform.pinned_host_tier, cfg.capsule_host_budget_bytes)
+                                         self.platform.pinned_host_tier, cfg.capsule_host_budget_bytes,
+                                         cfg.capsule_evict_policy)
+        self.capsule_manager = CapsuleManager(self.store, self.tiers, self.fingerprint, cfg.max_context,
+                                              self.arena.live_nbytes, on_settle=self._release_freed_boundary)
         # capsule files of this engine in capsule_dir are disk-tier capsules; why the others were refused
         self.capsule_dir_refused = self.tiers.index(self.fingerprint, self.arena.live_nbytes)
         self._fixed_span = self.arena.specs["kv"].offset
@@ -463,7 +466,7 @@ class Engine:
         position = self.position
         plan = self._plan_rows(position)
         shared = {block.id for segments, _ in plan.values() for block, _, _ in segments}
-        self._make_room(self._plan_bytes(plan, position), label, protect=shared)
+        self.capsule_manager.make_room(self._plan_bytes(plan, position), label, protect=shared)
         rows = self._take_rows(plan, position)
         info = CapsuleInfo(id=new_id, parent=parent, label=label, position=position,
                            nbytes=self.layout.nbytes(position), tier="device" if self.device.type == "cuda" else "host",
@@ -485,17 +488,12 @@ class Engine:
             info = self.store.info(info.id)
         return info
 
-    # ---- tiers and eviction --------------------------------------------------------------------------------
-    def _settle(self, prefetched: bool = True) -> None:
-        """Finish the background spills that are done, attach the prefetches that are (unless not ``prefetched``:
-        inside :meth:`_make_room`, whose room is another capsule's); release a rollback boundary whose bytes left
-        the device."""
-        self.tiers.finish()
-        for stored, data in self.tiers.fetched() if prefetched else ():
-            try:
-                self._on_device(stored, data)
-            except FlashRTError as err:
-                _log.warning("prefetched capsule %r stays on disk: %s", stored.info.id, err.message)
+    # ---- tiers and eviction (capsule.manager) ----------------------------------------------------------------
+    def _settle(self) -> None:
+        self.capsule_manager.settle()
+
+    def _release_freed_boundary(self) -> None:
+        """Release a rollback boundary whose bytes left the device (run after every settle)."""
         oldest = self._boundaries[0] if self._boundaries else None
         if oldest is not None and oldest.fixed is not None and oldest.fixed.id not in self.store.blocks:
             # the oldest rollback boundary still points at a capsule's freed fixed state: release it too
@@ -504,105 +502,24 @@ class Engine:
             else:
                 self._boundaries.popleft()
 
-    def _victims(self, need: int, label: str, protect: set[int] = frozenset(),
-                 keep_ids: tuple[str, ...] = ()) -> list[StoredCapsule]:
-        """[] if ``need`` bytes and the label fit the device budget now; else, under the lru policy, the capsules to
-        spill first (never pinned, never ``keep_ids``, never a holder of a block in ``protect``); else refuse."""
-        try:
-            self.store.check_room(need, label)
-            return []
-        except FlashRTError as err:
-            if self.config.capsule_evict_policy != "lru":
-                raise
-            refusal = err
-
-        def keep(c: StoredCapsule) -> bool:
-            return (is_pinned(c) or c.info.id in keep_ids
-                    or any(b.id in protect for segments in c.rows.values() for b, _, _ in segments))
-        victims = self.store.eviction(need + label_nbytes(label), keep)
-        if victims is None or (DISK not in self.tiers.names and sum(v.info.nbytes for v in victims)
-                               > self.tiers.host_budget_bytes - self.store.host_bytes):
-            raise FlashRTError(ErrorCode.BUDGET_EXCEEDED, f"{refusal.message}; spilling every unpinned capsule "
-                                                          f"to the tiers below ({', '.join(self.tiers.names[1:]) or 'none'}) "
-                                                          f"would not make room")
-        return victims
-
-    def _make_room(self, need: int, label: str, protect: set[int] = frozenset(),
-                   keep_ids: tuple[str, ...] = ()) -> None:
-        for victim in self._victims(need, label, protect, keep_ids):
-            self.tiers.spill(victim, self.tiers.below(victim), wait=False)     # never waits for a file write
-        self._settle(prefetched=False)
-
     @torch.inference_mode()
     def spill(self, capsule_id: str, tier: str = "", wait: bool = True) -> CapsuleInfo:
         """Move a capsule off the device: to ``tier`` (host | disk; "" = the next one down). Its device blocks are
         released at once. A disk spill with ``wait=False`` writes the file in the background: until it is complete
         the capsule is on the host tier (its staging copy, restorable); a failed write leaves it there. A disk
         spill of a capsule whose file is being written joins that write, whether or not it ends meanwhile."""
-        joins_its_write = tier in ("", DISK) and capsule_id in self.tiers.pending
-        self._settle()
-        stored = self.store.get(capsule_id)
-        tier = tier or (self.tiers.below(stored) or DISK)
-        if not (joins_its_write and stored.tier == DISK):
-            self.tiers.check_target(stored, tier)
-        self.tiers.spill(stored, tier, wait)
-        self._settle()
-        return self.store.info(capsule_id)
+        return self.capsule_manager.spill(capsule_id, tier, wait)
 
     @torch.inference_mode()
     def fetch(self, capsule_id: str, wait: bool = True) -> CapsuleInfo:
         """Bring a host or disk tier capsule back onto the device (making room as the policy allows). A disk-tier
         capsule with ``wait=False`` (a prefetch) is read in the background and attached at the next capsule call;
         a restore of it waits for the read. Refused now if it could not fit."""
-        self._settle()
-        stored = self.store.get(capsule_id)
-        if not wait and stored.tier == DISK:
-            self._victims(self.layout.nbytes(stored.info.position), "", keep_ids=(capsule_id,))
-            self.tiers.prefetch(stored)
-        else:
-            self._on_device(stored)
-        return self.store.info(capsule_id)
-
-    def _on_device(self, stored: StoredCapsule, data: torch.Tensor | None = None) -> None:
-        if stored.tier != DEVICE:
-            if data is None:
-                data = self.tiers.fetch_bytes(stored)        # read and checked before any room is made
-            self._make_room(self.layout.nbytes(stored.info.position), "", keep_ids=(stored.info.id,))
-            self.tiers.attach(stored, data)
+        return self.capsule_manager.fetch(capsule_id, wait)
 
     def pin(self, capsule_id: str, pinned: bool = True) -> CapsuleInfo:
         """Pin a capsule to the device (fetched first) or unpin it."""
-        self._settle()
-        stored = self.store.get(capsule_id)
-        if pinned:
-            self._on_device(stored)
-        stored.pinned = pinned
-        return self.store.info(capsule_id)
-
-    def _restorable(self, capsule_id: str, verify_checksum: bool, fetch: bool = True) -> StoredCapsule:
-        """A capsule that may become live, on the device (fetched if it was spilled, unless not ``fetch``)."""
-        self._settle()
-        capsule = self.store.get(capsule_id)
-        if capsule.fingerprint != self.fingerprint:
-            raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
-                               f"capsule {capsule_id!r} was taken from another model, config or plan "
-                               f"(fingerprint {capsule.fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
-        self._check_size(capsule.info, f"capsule {capsule_id!r}")
-        if verify_checksum:
-            if not capsule.info.checksum:
-                raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule {capsule_id!r} has no stored checksum")
-            if self._capsule_checksum(capsule) != capsule.info.checksum:
-                raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"capsule {capsule_id!r} is corrupted: its bytes "
-                                                                f"no longer match its checksum")
-        if fetch:
-            self._on_device(capsule)
-        return capsule
-
-    def _check_size(self, info: CapsuleInfo, what: str) -> None:
-        """A header whose position does not match the payload would leave stale KV rows live: refuse it."""
-        if info.position > self.max_context or info.nbytes != self.arena.live_nbytes(info.position):
-            raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"{what}: corrupted (its size does not match its "
-                                                            f"position {info.position})")
+        return self.capsule_manager.pin(capsule_id, pinned)
 
     def _load(self, capsule: StoredCapsule, kv_only: bool = False) -> None:
         """Make the capsule live: its fixed state, and only the KV rows the live arena does not already hold."""
@@ -626,7 +543,7 @@ class Engine:
     @torch.inference_mode()
     def restore(self, capsule_id: str, verify_checksum: bool = False, kv_only: bool = False) -> CapsuleInfo:
         """Make the capsule the live state. ``kv_only`` restores only KV and metadata (an ablation: it diverges)."""
-        capsule = self._restorable(capsule_id, verify_checksum)
+        capsule = self.capsule_manager.restorable(capsule_id, verify_checksum)
         self._load(capsule, kv_only)
         return self.store.info(capsule_id)
 
@@ -640,8 +557,8 @@ class Engine:
                 self.live_parent = info.id
             return info
         new_id = self.store.new_id(capsule_id, label)
-        source = self._restorable(source_id, verify_checksum=False)
-        self._make_room(0, label, keep_ids=(source_id,))
+        source = self.capsule_manager.restorable(source_id, verify_checksum=False)
+        self.capsule_manager.make_room(0, label, keep_ids=(source_id,))
         info = dataclasses.replace(source.info, id=new_id, parent=source_id, label=label, created=time.time())
         self.store.add_rows(info, source.fingerprint, dict(source.rows), lineage_parent=source_id)  # all shared
         self.store.touch(source_id)
@@ -655,11 +572,11 @@ class Engine:
         if (capsule_id is None) == (steps is None):
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "rollback needs exactly one of capsule_id or steps")
         if capsule_id is not None:
-            capsule = self._restorable(capsule_id, verify_checksum=False, fetch=False)
+            capsule = self.capsule_manager.restorable(capsule_id, verify_checksum=False, fetch=False)
             if capsule_id not in self.store.ancestors(self.live_parent):
                 raise FlashRTError(ErrorCode.NOT_IN_LINEAGE, f"capsule {capsule_id!r} is not an ancestor of the live "
                                                              f"state (live descends from {self.live_parent!r})")
-            self._on_device(capsule)
+            self.capsule_manager.on_device(capsule)
             self._load(capsule)
             return self.position
         if steps < 1:
@@ -690,24 +607,20 @@ class Engine:
         need = self._plan_bytes(self._plan_rows(first), first)
         for before, position in zip([first, *later], later):
             need += self._plan_bytes({name: ((), before) for name in self.layout.row_bytes}, position)
-        self._victims(need, label)
+        self.tiers.victims(need, label)
 
     def drop(self, capsule_id: str) -> int:
         """Free a capsule. The live state and other capsules then descend from its nearest stored ancestor."""
-        self._settle()
-        self.tiers.forget(self.store.get(capsule_id))
-        freed, parent = self.store.drop(capsule_id)
+        freed, parent = self.capsule_manager.drop(capsule_id)
         if self.live_parent == capsule_id:
             self.live_parent = parent
-        self._settle()
         return freed
 
     def capsule(self, capsule_id: str) -> CapsuleInfo:
         return self.store.info(capsule_id)
 
     def capsules(self) -> list[CapsuleInfo]:
-        self._settle()
-        return self.store.infos()
+        return self.capsule_manager.infos()
 
     @torch.inference_mode()
     def live_checksum(self) -> str:
@@ -720,68 +633,28 @@ class Engine:
         """A copy of the live state's bytes in capsule layout (for byte-exact checks)."""
         return self._copy_live(self.position)
 
-    def _capsule_checksum(self, stored: StoredCapsule) -> str:
-        """In place for a device-tier capsule (its blocks), else over its bytes from the tier it is on."""
-        return checksum(row_parts(stored.rows) if stored.tier == DEVICE else self.capsule_bytes(stored.info.id))
-
     def capsule_bytes(self, capsule_id: str) -> torch.Tensor:
         """A capsule's full bytes in capsule layout (a copy: its shared rows included), wherever it is."""
-        return self.tiers.full_bytes(self.store.get(capsule_id), self.device)
+        return self.capsule_manager.capsule_bytes(capsule_id)
 
     # ---- files -------------------------------------------------------------------------------------------
     def capsule_file(self, capsule_id: str) -> Path:
         """``<capsule_dir>/<capsule_id>.capsule``; NO_CAPSULE_DIR when no capsule directory is configured."""
-        if self.capsule_dir is None:
-            raise FlashRTError(ErrorCode.NO_CAPSULE_DIR, "capsule files are disabled: the capsule_dir parameter is "
-                                                         "empty")
-        return capsule_io.capsule_path(self.capsule_dir, capsule_id)
+        return self.capsule_manager.capsule_file(capsule_id)
 
     def export_capsule(self, capsule_id: str) -> CapsuleInfo:
         """Write a stored capsule to :meth:`capsule_file` (atomic; signed when a key is configured). A capsule on
         the disk tier is in that file already (nothing to write). Any other file of that id is kept
         (DUPLICATE_CAPSULE_ID): remove it first to export again. An exported file stays when the capsule is
         dropped or fetched."""
-        path = self.capsule_file(capsule_id)
-        info = self.store.info(capsule_id)
-        self.tiers.wait(capsule_id)                    # a pending spill of it ends first: its file is the export
-        stored = self.store.get(capsule_id)
-        if stored.tier == DISK:
-            stored.owns_file = False
-            return self.store.info(capsule_id)
-        if path.exists():
-            raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"{path.name} already exists in the capsule "
-                                                               f"directory (remove it to export {capsule_id!r} again)")
-        self.tiers.ready(stored)
-        capsule_io.write_capsule_file(self.store.full_capsule(capsule_id), path, key=self._capsule_key)
-        return info
-
-    def _check_import(self, capsule_id: str, info: CapsuleInfo, fingerprint: str) -> None:
-        """What a capsule file must be to enter the store, checked before its payload is read."""
-        if info.id != capsule_id:
-            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"{capsule_id}.capsule holds capsule {info.id!r} "
-                                                           f"(a renamed file): name it {info.id}.capsule")
-        if fingerprint != self.fingerprint:
-            raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
-                               f"capsule file {capsule_id!r} was taken from another model, config or plan "
-                               f"(fingerprint {fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
-        self._check_size(info, f"capsule file {capsule_id!r}")
-        self.store.new_id(capsule_id, info.label)
-        self._victims(info.nbytes, info.label)         # refuses unless it fits (after eviction, under lru)
+        return self.capsule_manager.export_capsule(capsule_id)
 
     @torch.inference_mode()
     def import_capsule(self, capsule_id: str) -> CapsuleInfo:
         """Read :meth:`capsule_file` into the store: same fingerprint, free id, within the budget; its recorded
         parent belongs to another session, so it starts a lineage of its own. A file listed at configure is a
         disk-tier capsule already: importing it fetches it onto the device."""
-        self.tiers.wait(capsule_id)                    # a dropped capsule's pending write of this id ends first
-        if capsule_id in self.store and self.store.get(capsule_id).tier == DISK:
-            return self.fetch(capsule_id)
-        capsule = capsule_io.read_capsule_file(self.capsule_file(capsule_id), self.device, key=self._capsule_key,
-                                               expect=lambda info, fp: self._check_import(capsule_id, info, fp))
-        self._make_room(capsule.info.nbytes, capsule.info.label)
-        rows = rows_of_full(self.layout, capsule.data, capsule.info.position)
-        self.store.add_rows(capsule.info, capsule.fingerprint, rows, lineage_parent="")
-        return self.store.info(capsule_id)
+        return self.capsule_manager.import_capsule(capsule_id)
 
     # ---- identity ----------------------------------------------------------------------------------------
     def _compute_fingerprint(self, dtype: torch.dtype) -> str:

@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from . import file as capsule_file
-from .capsule import DEVICE, DISK, HOST, Capsule, StoredCapsule, is_pinned, rows_of_full
+from .capsule import DEVICE, DISK, HOST, Capsule, StoredCapsule, is_pinned, label_nbytes, rows_of_full
 from .store import CapsuleStore
 from ..errors import ErrorCode, FlashRTError
 
-POLICIES = ("refuse", "lru")
+POLICIES = ("refuse", "lru")   # a capsule that does not fit the device budget: refused, or room made (victims)
 _log = logging.getLogger("flashrt.runtime")
 
 
@@ -43,8 +43,9 @@ class _Write:
 
 class Tiers:
     def __init__(self, store: CapsuleStore, device: torch.device, capsule_dir: Path | None, key: bytes | None,
-                 host_tier: bool, host_budget_bytes: int):
+                 host_tier: bool, host_budget_bytes: int, policy: str = "refuse"):
         self.store, self.device, self.capsule_dir, self.key = store, device, capsule_dir, key
+        self.policy = policy
         self.host_budget_bytes = host_budget_bytes if host_tier else 0
         self.names = (DEVICE,) + ((HOST,) if self.host_budget_bytes else ()) + ((DISK,) if capsule_dir else ())
         self._pin = host_tier and device.type == "cuda"
@@ -65,6 +66,30 @@ class Tiers:
                 self.store.host_bytes + stored.info.nbytes <= self.host_budget_bytes:
             return HOST
         return DISK if DISK in self.names and stored.tier != DISK else None
+
+    def victims(self, need: int, label: str, protect: set[int] = frozenset(),
+                keep_ids: tuple[str, ...] = ()) -> list[StoredCapsule]:
+        """The eviction policy. [] if ``need`` bytes and the label fit the device budget now; else, under the lru
+        policy, the capsules to spill first (never pinned, never ``keep_ids``, never a holder of a block in
+        ``protect``); else refuse."""
+        try:
+            self.store.check_room(need, label)
+            return []
+        except FlashRTError as err:
+            if self.policy != "lru":
+                raise
+            refusal = err
+
+        def keep(c: StoredCapsule) -> bool:
+            return (is_pinned(c) or c.info.id in keep_ids
+                    or any(b.id in protect for segments in c.rows.values() for b, _, _ in segments))
+        victims = self.store.eviction(need + label_nbytes(label), keep)
+        if victims is None or (DISK not in self.names and sum(v.info.nbytes for v in victims)
+                               > self.host_budget_bytes - self.store.host_bytes):
+            raise FlashRTError(ErrorCode.BUDGET_EXCEEDED, f"{refusal.message}; spilling every unpinned capsule "
+                                                          f"to the tiers below ({', '.join(self.names[1:]) or 'none'}) "
+                                                          f"would not make room")
+        return victims
 
     def check_target(self, stored: StoredCapsule, tier: str) -> None:
         """Refuse (changing nothing) a move of ``stored`` to ``tier``."""
