@@ -26,6 +26,10 @@ MAX_LABEL_BYTES = 256      # UTF-8 bytes; a label is held with its capsule and c
 INTERRUPTED_PREFIX = "interrupted-"   # a preempted stream is kept as interrupted-<request id>
 RESERVED_ID_PREFIXES = (INTERRUPTED_PREFIX,)   # ids the node creates itself: clients may not take them
 _ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,%d}" % MAX_ID_CHARS)
+# The ranges of a capsule's numbers, wherever they come from (a file header is checked against them before use):
+MAX_POSITION = (1 << 32) - 1                  # CapsuleInfo.position is a uint32 on the wire
+MAX_NBYTES = (1 << 63) - 1                    # CapsuleInfo.bytes: an int64 byte count (a tensor's size)
+MAX_CREATED_S = ((1 << 63) - 1) // 10 ** 9    # a unix time whose nanoseconds fit an int64 (ROS time): before 2262
 _block_ids = itertools.count(1)
 
 

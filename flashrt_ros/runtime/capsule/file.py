@@ -14,22 +14,25 @@ the file can recompute it: only a key makes a forged file (e.g. another model's 
 fingerprint) detectable. A reader uses its own key setting, never the header's ``auth``: with a key it refuses
 unsigned files, without one it refuses signed files (it cannot check them).
 
-Reading checks, in order and before allocating anything: the prelude, the header tag, the header's fields and
-types, the file size against the header, then the caller's ``expect(info, fingerprint)`` (the engine: its
-fingerprint, the byte count its arena has at that position, the id, the budget). Only then is one tensor of the
-payload's size allocated and filled chunk by chunk while hashing; the file tag and the capsule's device
-checksum are checked before the capsule is returned. Version 1 files (whose label, parent and created were
-outside a linear checksum) are refused with that reason.
+Reading opens plain files only, never through a symbolic link and never waiting on a FIFO. It checks, in order
+and before allocating anything: the prelude, the header tag, the header's fields, their types and ranges (position,
+nbytes, created: the MAX_* limits of :mod:`.capsule`), the file size against the header, then the caller's
+``expect(info, fingerprint)`` (the engine: its fingerprint, the byte count its arena has at that position, the id,
+the budget). Only then is one tensor of the payload's size allocated and filled chunk by chunk while hashing; the
+file tag and the capsule's device checksum are checked before the capsule is returned. Version 1 files (whose
+label, parent and created were outside a linear checksum) are refused with that reason.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import hmac
 import json
 import math
 import os
 import re
+import stat
 import struct
 import tempfile
 from pathlib import Path
@@ -37,7 +40,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .capsule import Capsule, CapsuleInfo, label_nbytes, validate_capsule_id
+from .capsule import (MAX_CREATED_S, MAX_NBYTES, MAX_POSITION, Capsule, CapsuleInfo, label_nbytes,
+                      validate_capsule_id)
 from ..checksum import checksum
 from ..errors import ErrorCode, FlashRTError
 
@@ -63,14 +67,14 @@ def capsule_path(capsule_dir: str | Path, capsule_id: str) -> Path:
 
 
 def capsule_file_ids(capsule_dir: str | Path) -> list[str]:
-    """Ids of the capsule files in a directory, sorted; temporary files (names starting with '.') and names that
-    are not ``<valid id>.capsule`` are ignored."""
+    """Ids of the capsule files in a directory, sorted: every entry named ``<valid id>.capsule`` (the one naming
+    rule, :func:`capsule_path`), whatever it is (reading one that is not a plain file refuses it, :func:`_open`).
+    A temporary file (``write_capsule_file``) ends in ``.tmp``, so it is never such a name."""
     ids = []
-    for entry in Path(capsule_dir).iterdir():
-        stem = entry.name[:-len(FILE_SUFFIX)]
-        if entry.name.endswith(FILE_SUFFIX) and not entry.name.startswith(".") and entry.is_file():
+    for name in os.listdir(capsule_dir):
+        if name.endswith(FILE_SUFFIX):
             try:
-                ids.append(validate_capsule_id(stem))
+                ids.append(validate_capsule_id(name[:-len(FILE_SUFFIX)]))
             except FlashRTError:
                 continue
     return sorted(ids)
@@ -185,12 +189,22 @@ def _corrupt(path: Path, why: str) -> FlashRTError:
 
 
 def _open(path: Path):
+    """Open a capsule file for reading: a plain file only, never through a link, and never waiting (O_NOFOLLOW,
+    O_NONBLOCK: a FIFO or device of that name is refused, not waited on)."""
     try:
-        return open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise FlashRTError(ErrorCode.UNKNOWN_CAPSULE, f"no capsule file {path.name} in {path.parent}") from None
     except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise FlashRTError(ErrorCode.FILE_ERROR, f"{path.name} is a symbolic link: capsule files must be plain "
+                                                     f"files in {path.parent}") from None
         raise FlashRTError(ErrorCode.FILE_ERROR, f"cannot read {path}: {err.strerror or err}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FlashRTError(ErrorCode.FILE_ERROR, f"{path.name} is not a plain file (a directory, FIFO, socket or "
+                                                 f"device): capsule files must be plain files in {path.parent}")
+    return os.fdopen(fd, "rb")
 
 
 def _read_exact(f, count: int, path: Path, what: str) -> bytes:
@@ -225,16 +239,16 @@ def _parse_header(header: bytes, path: Path, key: bytes | None) -> tuple[Capsule
         raise bad("fingerprint is not a hex string")
     if not isinstance(info, dict) or set(info) != set(INFO_FIELDS):
         raise bad(f"info needs exactly the fields {', '.join(INFO_FIELDS)}")
-    counts = [info["position"], info["nbytes"]]
-    if any(type(n) is not int or n < 0 for n in counts):
-        raise bad("position and nbytes must be non-negative integers")
+    for name, limit in (("position", MAX_POSITION), ("nbytes", MAX_NBYTES)):
+        if type(info[name]) is not int or not 0 <= info[name] <= limit:
+            raise bad(f"{name} must be an integer in [0, {limit}]")
     if not all(isinstance(info[name], str) for name in ("id", "parent", "label", "checksum")):
         raise bad("id, parent, label and checksum must be strings")
     if not _HEX.fullmatch(info["checksum"]):
         raise bad("checksum is not a hex string")
     created = info["created"]
-    if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
-        raise bad("created must be a non-negative unix time")
+    if type(created) not in (int, float) or not (math.isfinite(created) and 0 <= created <= MAX_CREATED_S):
+        raise bad(f"created must be a unix time in [0, {MAX_CREATED_S}] s")
     validate_capsule_id(info["id"])
     if info["parent"]:
         validate_capsule_id(info["parent"])

@@ -7,6 +7,7 @@ changes anything; each settles the background work of the tiers first (spills th
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -154,7 +155,7 @@ class CapsuleManager:
         if stored.tier == DISK:
             stored.owns_file = False
             return self.store.info(capsule_id)
-        if path.exists():
+        if os.path.lexists(path):             # any entry of that name, a link or a FIFO too
             raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"{path.name} already exists in the capsule "
                                                                f"directory (remove it to export {capsule_id!r} again)")
         self.tiers.ready(stored)

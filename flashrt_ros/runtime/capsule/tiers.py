@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -110,7 +111,7 @@ class Tiers:
             raise FlashRTError(ErrorCode.BUDGET_EXCEEDED, f"{what} ({stored.info.nbytes} B) does not fit the host "
                                                           f"tier: {self.store.host_bytes} of "
                                                           f"{self.host_budget_bytes} B in use")
-        if tier == DISK and stored.info.id not in self._writes and self.path(stored.info.id).exists() \
+        if tier == DISK and stored.info.id not in self._writes and os.path.lexists(self.path(stored.info.id)) \
                 and not self._same_file(stored):
             raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"{self.path(stored.info.id).name} in the capsule "
                                                                f"directory holds another capsule")

@@ -1,0 +1,128 @@
+"""Capsules against a hostile capsule_dir and failing tiers (issue 33): every value a file holds is range-checked
+before use, only plain files are read (no link, no FIFO), the disk index and the id rule agree, drops are durable,
+budgets hold when a tier fails, and the number of capsules is bounded. Each test failed on the code before its fix."""
+import dataclasses
+import math
+import os
+import threading
+
+import pytest
+
+from flashrt_ros.runtime import Engine, ErrorCode
+from flashrt_ros.runtime.capsule import file as capsule_file
+from flashrt_ros.runtime.capsule.capsule import MAX_CREATED_S
+from test_capsule_file import assemble, split
+from test_runtime_capsules import CONFIG, PROMPT, refused
+
+
+def make_engine(folder, **overrides) -> Engine:
+    return Engine(dataclasses.replace(CONFIG, capsule_dir=str(folder), **overrides))
+
+
+@pytest.fixture
+def engine(tmp_path):
+    eng = make_engine(tmp_path)
+    eng.ingest(PROMPT)
+    eng.snapshot("keep")
+    eng.snapshot("s")
+    eng.export_capsule("s")
+    eng.drop("s")
+    return eng
+
+
+def forged(folder, capsule_id: str = "s", **info) -> None:
+    """Rewrite ``<capsule_id>.capsule`` with these info fields, its digests recomputed (no key: anyone can)."""
+    path = folder / f"{capsule_id}.capsule"
+    header, payload = split(path.read_bytes())
+    header["info"].update(info)
+    path.write_bytes(assemble(header, payload))
+
+
+# ---- (1) every value read from a file is range-checked -------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [("created", 1e20), ("created", 1e308), ("created", MAX_CREATED_S + 1),
+                                          ("created", -1.0), ("created", math.nan), ("position", 1 << 40),
+                                          ("nbytes", 1 << 70)])
+def test_a_header_value_out_of_range_is_refused_on_import_and_never_indexed(engine, tmp_path, field, value):
+    forged(tmp_path, **{field: value})
+    with refused(engine, ErrorCode.CHECKSUM_MISMATCH) as error:       # nothing changes (refused() checks)
+        engine.import_capsule("s")
+    assert field in error.value.message
+    restarted = make_engine(tmp_path)
+    assert restarted.capsules() == [], "the file entered the disk index"
+    assert len(restarted.capsule_dir_refused) == 1 and field in restarted.capsule_dir_refused[0]
+
+
+def test_a_date_after_2038_round_trips_through_a_file(engine, tmp_path):
+    created = 4102444800.25                                   # 2100-01-01T00:00:00.25Z
+    forged(tmp_path, created=created)
+    assert engine.import_capsule("s").created == created
+    assert make_engine(tmp_path).capsule("s").created == created
+
+
+# ---- (5, 10) plain files only: no FIFO, no link ---------------------------------------------------------------
+
+def bounded(call, seconds: float = 30.0):
+    """Run ``call`` on a thread; fail (instead of hanging the suite) unless it ends in ``seconds``."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = call()
+        except Exception as err:              # noqa: BLE001 - handed to the test
+            outcome["error"] = err
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return thread.is_alive(), outcome
+
+
+def test_a_fifo_named_like_a_capsule_file_is_refused_without_blocking(engine, tmp_path):
+    fifo = tmp_path / "f.capsule"
+    os.mkfifo(fifo)
+    try:
+        hung, outcome = bounded(lambda: engine.import_capsule("f"))
+    finally:   # let a blocked reader go (the old code waited in open() for a writer)
+        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK) if hung else None
+        if writer is not None:
+            os.close(writer)
+    assert not hung, "import_capsule blocked on a FIFO"
+    assert outcome["error"].code == ErrorCode.FILE_ERROR and "not a plain file" in outcome["error"].message
+    hung, outcome = bounded(lambda: make_engine(tmp_path))
+    assert not hung and "value" in outcome
+    assert [c.id for c in outcome["value"].capsules()] == ["s"]
+    assert any(why.startswith("f.capsule") and "not a plain file" in why
+               for why in outcome["value"].capsule_dir_refused)
+
+
+def test_a_symbolic_link_out_of_capsule_dir_is_never_followed(engine, tmp_path, tmp_path_factory):
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    os.replace(tmp_path / "s.capsule", elsewhere / "s.capsule")
+    (tmp_path / "s.capsule").symlink_to(elsewhere / "s.capsule")
+    with refused(engine, ErrorCode.FILE_ERROR) as error:
+        engine.import_capsule("s")
+    assert "symbolic link" in error.value.message
+    restarted = make_engine(tmp_path)
+    assert restarted.capsules() == []
+    assert any("symbolic link" in why for why in restarted.capsule_dir_refused)
+
+
+def test_a_directory_named_like_a_capsule_file_is_refused(engine, tmp_path):
+    (tmp_path / "d.capsule").mkdir()
+    with refused(engine, ErrorCode.FILE_ERROR) as error:
+        engine.import_capsule("d")
+    assert "not a plain file" in error.value.message
+
+
+# ---- (7) the disk index and the id rule agree ----------------------------------------------------------------
+
+@pytest.mark.parametrize("capsule_id", [".a", "..", ".capsule"])
+def test_an_id_starting_with_a_dot_survives_a_restart(tmp_path, capsule_id):
+    eng = make_engine(tmp_path)
+    eng.ingest(PROMPT)
+    eng.snapshot(capsule_id)
+    eng.export_capsule(capsule_id)
+    assert capsule_file.capsule_file_ids(tmp_path) == [capsule_id]
+    restarted = make_engine(tmp_path)
+    assert [c.id for c in restarted.capsules()] == [capsule_id] and restarted.capsule_dir_refused == []
+    restarted.restore(capsule_id, verify_checksum=True)
