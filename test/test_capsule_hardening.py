@@ -126,3 +126,46 @@ def test_an_id_starting_with_a_dot_survives_a_restart(tmp_path, capsule_id):
     restarted = make_engine(tmp_path)
     assert [c.id for c in restarted.capsules()] == [capsule_id] and restarted.capsule_dir_refused == []
     restarted.restore(capsule_id, verify_checksum=True)
+
+
+# ---- (6) drops are durable; Engine.close finishes the tiers ---------------------------------------------------
+
+def held_writes(monkeypatch):
+    """Hold every capsule file write until ``go`` is set; ``done`` is set when one has ended (the engine is not
+    told: no capsule call runs in between, as when the process dies right then)."""
+    go, done, real = threading.Event(), threading.Event(), capsule_file.write_capsule_file
+
+    def held(*args, **kwargs):
+        assert go.wait(60), "the test never let the write go"
+        try:
+            return real(*args, **kwargs)
+        finally:
+            done.set()
+    monkeypatch.setattr(capsule_file, "write_capsule_file", held)
+    return go, done
+
+
+def test_a_capsule_dropped_while_its_spill_file_is_written_does_not_come_back(engine, tmp_path, monkeypatch):
+    engine.snapshot("a")
+    go, done = held_writes(monkeypatch)
+    engine.spill("a", "disk", wait=False)
+    engine.drop("a")
+    go.set()
+    assert done.wait(60)
+    assert not (tmp_path / "a.capsule").exists(), "the dropped capsule's file was published"
+    restarted = make_engine(tmp_path)                 # a restart right after the write (no capsule call between)
+    assert sorted(c.id for c in restarted.capsules()) == ["s"]
+
+
+def test_close_finishes_pending_spills_and_is_idempotent(engine, tmp_path, monkeypatch):
+    engine.snapshot("a")
+    expected = engine.capsule_bytes("a").clone()
+    go, _ = held_writes(monkeypatch)
+    engine.spill("a", "disk", wait=False)
+    go.set()
+    engine.close()
+    engine.close()
+    assert engine.capsule("a").tier == "disk"
+    restarted = make_engine(tmp_path)
+    assert sorted(c.id for c in restarted.capsules()) == ["a", "s"]
+    assert restarted.capsule_bytes("a").equal(expected)

@@ -619,6 +619,11 @@ class Engine:
     def capsule(self, capsule_id: str) -> CapsuleInfo:
         return self.store.info(capsule_id)
 
+    def close(self) -> None:
+        """Finish the tiers' background work (pending spill files complete, dropped capsules' files gone) and stop
+        their threads. Idempotent; the owner calls it when it lets the engine go (the node: cleanup, shutdown)."""
+        self.capsule_manager.close()
+
     def capsules(self) -> list[CapsuleInfo]:
         return self.capsule_manager.infos()
 

@@ -134,10 +134,17 @@ def _payload_chunks(data: torch.Tensor) -> Iterator[memoryview]:
         yield view[:piece.numel()]
 
 
-def write_capsule_file(capsule: Capsule, path: str | Path, key: bytes | None = None) -> None:
+def _replace(tmp: str, path: Path) -> bool:
+    os.replace(tmp, path)
+    return True
+
+
+def write_capsule_file(capsule: Capsule, path: str | Path, key: bytes | None = None,
+                       publish: Callable[[str, Path], bool] = _replace) -> None:
     """Write ``capsule`` (its full bytes) atomically: a '.'-named temporary file in the same folder, fsync, then
     rename over ``path`` and fsync the folder. A crash at any point leaves ``path`` as it was (absent or the old
-    file). A capsule without a stored checksum gets one computed here."""
+    file). A capsule without a stored checksum gets one computed here. ``publish(tmp, path)`` does the rename; if
+    it returns False (the caller withdrew the file) the temporary file is removed and ``path`` is left alone."""
     path = Path(path)
     if not path.parent.is_dir():
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"cannot write {path}: folder {path.parent} does not exist")
@@ -164,7 +171,9 @@ def write_capsule_file(capsule: Capsule, path: str | Path, key: bytes | None = N
             f.write(file_mac.digest())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if not publish(tmp, path):
+            Path(tmp).unlink(missing_ok=True)
+            return
         _fsync_dir(path.parent)
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
@@ -172,6 +181,15 @@ def write_capsule_file(capsule: Capsule, path: str | Path, key: bytes | None = N
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def remove_capsule_file(path: Path) -> None:
+    """Delete a capsule file for good: unlinked and the folder synced, so it does not come back after a crash."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -107,6 +107,9 @@ class CapsuleManager:
         self.settle()
         return self.store.infos()
 
+    def close(self) -> None:
+        self.tiers.close()
+
     # ---- what may become live --------------------------------------------------------------------------------
     def restorable(self, capsule_id: str, verify_checksum: bool, fetch: bool = True) -> StoredCapsule:
         """A capsule that may become live, on the device (fetched if it was spilled, unless not ``fetch``)."""

@@ -21,6 +21,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,11 +36,31 @@ POLICIES = ("refuse", "lru")   # a capsule that does not fit the device budget: 
 _log = logging.getLogger("flashrt.runtime")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class _Write:
-    future: Future
+    """A background write of a capsule's file. Its publication (the rename to the file's name) and a drop of the
+    capsule are serialised, so a dropped capsule's file never outlives the drop (nor a crash right after it)."""
     stored: StoredCapsule
     staging: torch.Tensor          # the host copy the file is written from (the capsule's bytes until it is done)
+    future: Future | None = None
+    dropped: bool = False
+    published: bool = False
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def publish(self, tmp: str, path: Path) -> bool:
+        """(The writer thread, once the file is complete.) Rename it into place unless the capsule was dropped."""
+        with self.lock:
+            if not self.dropped:
+                os.replace(tmp, path)
+                self.published = True
+            return self.published
+
+    def drop(self, path: Path) -> None:
+        """The capsule was dropped: its file never appears, or goes now if it already has."""
+        with self.lock:
+            self.dropped = True
+            if self.published:
+                capsule_file.remove_capsule_file(path)
 
 
 class Tiers:
@@ -171,10 +192,9 @@ class Tiers:
         staging = stored.host if stored.host is not None else self._host_copy(stored)
         self.store.release(stored)
         stored.host, stored.tier = staging, HOST
-        event = self._copies.get(stored.info.id)
-        future = self._writer.submit(self._write, Capsule(stored.info, stored.fingerprint, staging),
-                                     self.path(stored.info.id), event)
-        self._writes[stored.info.id] = _Write(future, stored, staging)
+        write = self._writes[stored.info.id] = _Write(stored, staging)
+        write.future = self._writer.submit(self._write, Capsule(stored.info, stored.fingerprint, staging),
+                                           self.path(stored.info.id), self._copies.get(stored.info.id), write)
         error = self.wait(stored.info.id) if wait else None
         if error is not None:
             raise FlashRTError(ErrorCode.FILE_ERROR, f"spill of capsule {stored.info.id!r} to disk failed, it stays "
@@ -192,11 +212,11 @@ class Tiers:
         while self._writes and sum(w.staging.numel() for w in self._writes.values()) + nbytes > self.staging_limit:
             self.wait(next(iter(self._writes)))
 
-    def _write(self, capsule: Capsule, path: Path, event: torch.cuda.Event | None) -> None:
+    def _write(self, capsule: Capsule, path: Path, event: torch.cuda.Event | None, write: _Write) -> None:
         """(The writer thread.)"""
         if event is not None:
             event.synchronize()
-        capsule_file.write_capsule_file(capsule, path, self.key)
+        capsule_file.write_capsule_file(capsule, path, self.key, publish=write.publish)
 
     def _to_disk(self, stored: StoredCapsule, owns_file: bool) -> None:
         self.store.release(stored)
@@ -241,8 +261,8 @@ class Tiers:
             return error
         if current:
             self._to_disk(stored, owns_file=True)
-        else:                                  # dropped, or fetched back, while its file was written
-            self.path(capsule_id).unlink(missing_ok=True)
+        elif not write.dropped:                # fetched back while its file was written (a drop removed its own)
+            capsule_file.remove_capsule_file(self.path(capsule_id))
         return None
 
     # ---- fetches -------------------------------------------------------------------------------------------
@@ -294,22 +314,25 @@ class Tiers:
         # the device tier by its memory kind, as a snapshot reports it
         stored.info = dataclasses.replace(stored.info, tier="device" if self.device.type == "cuda" else "host")
         if stored.owns_file:
-            self.path(stored.info.id).unlink(missing_ok=True)
+            capsule_file.remove_capsule_file(self.path(stored.info.id))
             stored.owns_file = False
 
     def forget(self, stored: StoredCapsule) -> None:
-        """A dropped capsule: cancel its queued write (a running one's file is deleted when it ends, by
-        :meth:`finish`) and its prefetch, delete the file a spill wrote for it."""
+        """A dropped capsule: cancel its queued write (a running one never publishes its file, or removes it if it
+        did) and its prefetch, delete the file a spill wrote for it. Durable when this returns."""
         write = self._writes.get(stored.info.id)
-        if write is not None and write.stored is stored and write.future.cancel():
-            del self._writes[stored.info.id]
+        if write is not None and write.stored is stored:
+            if write.future.cancel():
+                del self._writes[stored.info.id]
+            else:
+                write.drop(self.path(stored.info.id))
         read = self._reads.get(stored.info.id)
         if read is not None and read[1] is stored:
             read[0].cancel()
             del self._reads[stored.info.id]
         self._copies.pop(stored.info.id, None)
         if stored.owns_file:
-            self.path(stored.info.id).unlink(missing_ok=True)
+            capsule_file.remove_capsule_file(self.path(stored.info.id))
 
     # ---- configure -----------------------------------------------------------------------------------------
     def index(self, fingerprint: str, nbytes_at) -> list[str]:
@@ -338,6 +361,8 @@ class Tiers:
         return refused
 
     def close(self) -> None:
+        """Finish every pending write and read, then stop the threads (again: nothing more to do)."""
         self.drain()
+        self.finish()
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
