@@ -169,3 +169,38 @@ def test_close_finishes_pending_spills_and_is_idempotent(engine, tmp_path, monke
     restarted = make_engine(tmp_path)
     assert sorted(c.id for c in restarted.capsules()) == ["a", "s"]
     assert restarted.capsule_bytes("a").equal(expected)
+
+
+# ---- (9) the number of capsules is bounded -------------------------------------------------------------------
+
+def test_max_capsules_bounds_snapshot_fork_import_and_the_disk_index(tmp_path):
+    eng = make_engine(tmp_path, max_capsules=3)
+    eng.ingest(PROMPT)
+    eng.snapshot("a")
+    eng.export_capsule("a")
+    eng.fork("a", "b")
+    eng.fork(None, "c")                                      # zero-byte forks count as much as any capsule
+    for refusal in (lambda: eng.snapshot("d"), lambda: eng.fork("a", "d"), lambda: eng.fork(None, "d")):
+        with refused(eng, ErrorCode.BUDGET_EXCEEDED) as error:
+            refusal()
+        assert "max_capsules" in error.value.message
+    eng.drop("a")
+    eng.snapshot("d")
+    with refused(eng, ErrorCode.BUDGET_EXCEEDED):
+        eng.import_capsule("a")
+    eng.drop("d")
+    assert eng.import_capsule("a").id == "a"
+    for capsule_id in ("b", "c"):
+        eng.export_capsule(capsule_id)
+    eng.drop("a")                                            # its exported file stays
+    eng.snapshot("e")
+    eng.export_capsule("e")
+    restarted = make_engine(tmp_path, max_capsules=3)
+    assert sorted(c.id for c in restarted.capsules()) == ["a", "b", "c"]
+    assert restarted.capsule_dir_refused == ["e.capsule: 3 capsules are stored already (max_capsules): drop one first"]
+
+
+def test_max_capsules_must_be_positive():
+    from flashrt_ros.runtime import EngineConfig, FlashRTError
+    with pytest.raises(FlashRTError, match="max_capsules"):
+        EngineConfig(max_capsules=0).validate()

@@ -62,6 +62,7 @@ class EngineConfig:
     capsule_key_file: str = ""          # HMAC key that signs and checks capsule files ("" = unsigned files)
     capsule_evict_policy: str = "refuse"    # refuse | lru: spill least-recently-used unpinned capsules down a tier
     capsule_host_budget_bytes: int = 1 << 30   # pinned host tier (discrete GPUs only; 0 = none)
+    max_capsules: int = 1024            # capsules stored at once, on every tier (each costs time in every listing)
 
     def validate(self) -> "EngineConfig":
         def bad(why):
@@ -83,6 +84,8 @@ class EngineConfig:
                       f"got {self.capsule_evict_policy!r}")
         if self.capsule_host_budget_bytes < 0:
             raise bad("capsule_host_budget_bytes must be >= 0")
+        if self.max_capsules < 1:
+            raise bad(f"max_capsules must be >= 1, got {self.max_capsules}")
         if not 0.0 <= self.capsule_budget_fraction <= 1.0:
             raise bad(f"capsule_budget_fraction must be in [0, 1], got {self.capsule_budget_fraction}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -152,7 +155,7 @@ class Engine:
         self.layout = Layout.of(self.arena)
         self.store = CapsuleStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
                                                               self.platform, platform.mem_available_bytes()),
-                                self.layout)
+                                self.layout, cfg.max_capsules)
         self._live_rows = LiveRows(self.layout.row_bytes)     # which stored blocks the live KV rows equal
         self.last_restore_bytes = 0
         self.tiers = capsule_tiers.Tiers(self.store, self.device, self.capsule_dir, self._capsule_key,

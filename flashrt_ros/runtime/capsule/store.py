@@ -28,9 +28,10 @@ class CapsuleStore:
     """Capsules by id (:class:`StoredCapsule`), in creation order, with their lineage and the automatic numbering;
     their bytes as shared blocks, counted once per block in the device budget. Failed calls change nothing."""
 
-    def __init__(self, budget_bytes: int, layout: Layout):
+    def __init__(self, budget_bytes: int, layout: Layout, max_capsules: int):
         self.budget_bytes = budget_bytes
         self.layout = layout
+        self.max_capsules = max_capsules
         self._capsules: dict[str, StoredCapsule] = {}
         # lineage: stored id -> nearest stored ancestor ("" = none); a drop re-points its children
         self._parents: dict[str, str] = {}
@@ -51,9 +52,13 @@ class CapsuleStore:
     def new_id(self, requested: str | None, label: str = "") -> str:
         """Validate a requested id (or pick the next free ``cNNNN``) and the label before any bytes are copied.
 
-        Nothing is reserved: a later refusal (e.g. the budget) leaves the numbering as it was.
+        Nothing is reserved: a later refusal (e.g. the budget) leaves the numbering as it was. BUDGET_EXCEEDED when
+        max_capsules are stored already.
         """
         label_nbytes(label)
+        if len(self._capsules) >= self.max_capsules:
+            raise FlashRTError(ErrorCode.BUDGET_EXCEEDED, f"{len(self._capsules)} capsules are stored already "
+                                                          f"(max_capsules): drop one first")
         if requested:
             validate_capsule_id(requested)
             if requested in self._capsules:
