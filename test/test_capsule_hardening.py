@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from flashrt_ros.runtime import Engine, ErrorCode
+from flashrt_ros.runtime import Engine, ErrorCode, FlashRTError
 from flashrt_ros.runtime.capsule import file as capsule_file
 from flashrt_ros.runtime.capsule.capsule import MAX_CREATED_S
 from test_capsule_file import assemble, split
@@ -204,3 +204,37 @@ def test_max_capsules_must_be_positive():
     from flashrt_ros.runtime import EngineConfig, FlashRTError
     with pytest.raises(FlashRTError, match="max_capsules"):
         EngineConfig(max_capsules=0).validate()
+
+
+# ---- (8) budgets hold when a tier fails ---------------------------------------------------------------------
+
+def test_with_lru_a_failed_disk_tier_refuses_instead_of_filling_host_memory(tmp_path, monkeypatch):
+    eng = make_engine(tmp_path, capsule_evict_policy="lru")
+    eng.ingest(PROMPT)
+    capsule_nbytes = eng.snapshot("probe").nbytes
+    eng = make_engine(tmp_path, capsule_evict_policy="lru", capsule_budget_bytes=2 * capsule_nbytes + 1024)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(capsule_file, "write_capsule_file", full)
+    refusals = []
+    for i in range(20):
+        eng.reset()                          # each capsule holds rows of its own (none shared: eviction frees them)
+        eng.ingest(PROMPT)
+        eng.capsules()                       # settles the writes that ended
+        try:
+            eng.snapshot(f"s{i}")
+        except FlashRTError as err:
+            refusals.append(err)
+        assert eng.store.host_bytes <= eng.tiers.staging_limit, "host memory grew past every bound"
+        assert eng.capsule_bytes_used <= eng.capsule_budget_bytes
+    assert refusals and all(e.code == ErrorCode.BUDGET_EXCEEDED for e in refusals)
+    assert "the disk tier failed" in refusals[-1].message and "No space left" in refusals[-1].message
+    assert "No space left" in eng.stats()["capsule_tier_error"]
+    stranded = [c.id for c in eng.capsules() if c.tier == "host"]
+    assert stranded
+    monkeypatch.undo()                       # the disk works again: drop what it could not take
+    for capsule_id in stranded:
+        eng.drop(capsule_id)
+    assert eng.stats()["capsule_tier_error"] == ""
+    eng.snapshot("after")

@@ -222,7 +222,8 @@ class Engine:
                 "decode_tokens_per_s": self.stats_tokens_per_s, "arena_bytes": self.arena_bytes,
                 "capsule_bytes": self.capsule_bytes_used, "capsule_budget_bytes": self.capsule_budget_bytes,
                 "capsule_count": len(self.store.infos()), "capsule_host_bytes": self.store.host_bytes,
-                "capsule_tiers": ",".join(self.tiers.names), "kernel": self.kernel_name,
+                "capsule_tiers": ",".join(self.tiers.names), "capsule_tier_error": self.tiers.disk_failure,
+                "kernel": self.kernel_name,
                 "kernel_reason": self.kernel_reason, "weights_format": self.weights_format,
                 "cuda_graphs": len(self.graphs.graphs), **self.platform.diagnostics()}
 

@@ -77,6 +77,7 @@ class Tiers:
         self._writes: dict[str, _Write] = {}
         self._reads: dict[str, tuple[Future, StoredCapsule]] = {}
         self._copies: dict[str, torch.cuda.Event] = {}     # host copies still in flight on the side stream
+        self._failed: dict[str, tuple[StoredCapsule, str]] = {}   # capsules left on their host copy by a failed write
 
     # ---- where a capsule can go ---------------------------------------------------------------------------
     def path(self, capsule_id: str) -> Path:
@@ -106,12 +107,28 @@ class Tiers:
             return (is_pinned(c) or c.info.id in keep_ids
                     or any(b.id in protect for segments in c.rows.values() for b, _, _ in segments))
         victims = self.store.eviction(need + label_nbytes(label), keep)
-        if victims is None or (DISK not in self.names and sum(v.info.nbytes for v in victims)
+        failure = self.disk_failure
+        if victims is None or ((DISK not in self.names or failure) and sum(v.info.nbytes for v in victims)
                                > self.host_budget_bytes - self.store.host_bytes):
+            why = f"; {failure}" if failure and victims is not None else ""
             raise FlashRTError(ErrorCode.BUDGET_EXCEEDED, f"{refusal.message}; spilling every unpinned capsule "
                                                           f"to the tiers below ({', '.join(self.names[1:]) or 'none'}) "
-                                                          f"would not make room")
+                                                          f"would not make room{why}")
         return victims
+
+    @property
+    def disk_failure(self) -> str:
+        """Why the disk tier takes no evictions now ("" = it does): capsules whose file write failed are still on
+        their host copy, outside every budget, until they are dropped, fetched or spilled again."""
+        for capsule_id, (stored, _) in list(self._failed.items()):
+            if capsule_id not in self.store or self.store.get(capsule_id) is not stored or stored.tier != HOST:
+                del self._failed[capsule_id]
+        if not self._failed:
+            return ""
+        stranded = [stored for stored, _ in self._failed.values()]
+        last = next(reversed(self._failed.values()))[1]
+        return (f"the disk tier failed: {len(stranded)} capsule(s), {sum(c.info.nbytes for c in stranded)} B, "
+                f"are held in host memory after failed writes (last: {last}); drop or fetch them, or fix capsule_dir")
 
     def check_target(self, stored: StoredCapsule, tier: str) -> None:
         """Refuse (changing nothing) a move of ``stored`` to ``tier``."""
@@ -258,6 +275,8 @@ class Tiers:
             if current:
                 _log.warning("spill of capsule %r to disk failed; it stays on its host copy (%d B): %s",
                              capsule_id, write.staging.numel(), error)
+                self._failed.pop(capsule_id, None)               # the newest failure last
+                self._failed[capsule_id] = (stored, str(error))
             return error
         if current:
             self._to_disk(stored, owns_file=True)
