@@ -238,3 +238,14 @@ def test_with_lru_a_failed_disk_tier_refuses_instead_of_filling_host_memory(tmp_
         eng.drop(capsule_id)
     assert eng.stats()["capsule_tier_error"] == ""
     eng.snapshot("after")
+
+
+# ---- (11) a missing capsule is UNKNOWN_CAPSULE, whatever its id ---------------------------------------------
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_pinning_a_missing_interrupted_capsule_answers_unknown_capsule(engine, pinned):
+    from flashrt_ros.discretiser import Discretiser
+    from flashrt_ros.session import Session
+    session = Session(engine, discretiser=Discretiser(bins=255, token_offset=257), emit=lambda out: None)
+    with refused(engine, ErrorCode.UNKNOWN_CAPSULE):
+        session.pin_capsule("interrupted-7", pinned)
