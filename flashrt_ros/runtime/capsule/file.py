@@ -161,7 +161,10 @@ def write_capsule_file(capsule: Capsule, path: str | Path, key: bytes | None = N
     header_mac.update(prelude + header)
     header_tag = header_mac.digest()
     file_mac.update(prelude + header + header_tag)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:                 # an unwritable or vanished folder: refused, not a crash
+        raise FlashRTError(ErrorCode.FILE_ERROR, f"cannot write {path}: {err.strerror or err}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(prelude + header + header_tag)
