@@ -3,7 +3,6 @@ may write capsule_dir can without a key) and raw damage never crash the engine; 
 consistently by import and by the disk index at configure; a refusal leaves the live state and every stored capsule
 byte-unchanged. Then fault injection: the folder removed or unwritable, a process killed during a spill and a drop
 and restarted over the same capsule_dir. A longer run of the fuzzing is behind the ``soak`` marker."""
-import dataclasses
 import json
 import math
 import os
@@ -21,10 +20,10 @@ from hypothesis import strategies as st
 from flashrt_ros.runtime import Engine, ErrorCode, FlashRTError
 from flashrt_ros.runtime.capsule import file as capsule_file
 from flashrt_ros.runtime.capsule.capsule import MAX_CREATED_S
-from test_capsule_file import assemble, split
+from test_capsule_file import assemble, make_engine, split
 from test_runtime_capsules import CONFIG, PROMPT, assert_same_state, observable_state, refused
 
-CI_EXAMPLES, SOAK_EXAMPLES = 40, 2000
+CI_EXAMPLES, SOAK_EXAMPLES = 25, 2000
 
 
 def fuzz(body, examples: int, explicit=(), **strategies):
@@ -42,10 +41,6 @@ def soak(test):
     marked = pytest.mark.soak(test)
     return pytest.mark.skipif(not os.environ.get("FLASHRT_SOAK"),
                               reason="soak: a long fuzzing run, set FLASHRT_SOAK=1 to run it")(marked)
-
-
-def make_engine(folder, **overrides) -> Engine:
-    return Engine(dataclasses.replace(CONFIG, capsule_dir=str(folder), **overrides))
 
 
 @pytest.fixture
@@ -94,7 +89,7 @@ def edited(blob: bytes, edits: dict) -> bytes:
     return assemble(json.dumps(header).encode(), payload)
 
 
-def verdicts(engine: Engine, folder) -> tuple[object, object]:
+def verdicts(engine: Engine, folder) -> tuple[object, object, Engine]:
     """Import the file (refused: its error code, the state checked unchanged; accepted: its info) and index it in
     a new engine over the folder (listed: its info; refused: the reason). Anything but FlashRTError fails."""
     before = observable_state(engine)

@@ -1,22 +1,17 @@
 """Capsules against a hostile capsule_dir and failing tiers (issue 33): every value a file holds is range-checked
 before use, only plain files are read (no link, no FIFO), the disk index and the id rule agree, drops are durable,
 budgets hold when a tier fails, and the number of capsules is bounded. Each test failed on the code before its fix."""
-import dataclasses
 import math
 import os
 import threading
 
 import pytest
 
-from flashrt_ros.runtime import Engine, ErrorCode, FlashRTError
+from flashrt_ros.runtime import ErrorCode, FlashRTError
 from flashrt_ros.runtime.capsule import file as capsule_file
 from flashrt_ros.runtime.capsule.capsule import MAX_CREATED_S
-from test_capsule_file import assemble, split
-from test_runtime_capsules import CONFIG, PROMPT, refused
-
-
-def make_engine(folder, **overrides) -> Engine:
-    return Engine(dataclasses.replace(CONFIG, capsule_dir=str(folder), **overrides))
+from test_capsule_file import assemble, make_engine, split
+from test_runtime_capsules import PROMPT, refused
 
 
 @pytest.fixture
@@ -201,7 +196,7 @@ def test_max_capsules_bounds_snapshot_fork_import_and_the_disk_index(tmp_path):
 
 
 def test_max_capsules_must_be_positive():
-    from flashrt_ros.runtime import EngineConfig, FlashRTError
+    from flashrt_ros.runtime import EngineConfig
     with pytest.raises(FlashRTError, match="max_capsules"):
         EngineConfig(max_capsules=0).validate()
 
