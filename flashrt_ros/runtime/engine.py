@@ -22,7 +22,8 @@ from .capsule import file as capsule_io
 from .capsule import tiers as capsule_tiers
 from .capsule.capsule import FIXED, Block, CapsuleInfo, Layout, StoredCapsule, row_parts
 from .capsule.manager import CapsuleManager
-from .capsule.store import CapsuleStore, LiveRows
+from .capsule.live import LiveCopier
+from .capsule.store import CapsuleStore
 from .checksum import checksum
 from .config import PRESETS
 from .errors import ErrorCode, FlashRTError
@@ -156,7 +157,7 @@ class Engine:
         self.store = CapsuleStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
                                                               self.platform, platform.mem_available_bytes()),
                                 self.layout, cfg.max_capsules)
-        self._live_rows = LiveRows(self.layout.row_bytes)     # which stored blocks the live KV rows equal
+        self.live = LiveCopier(self.arena, self.layout, self.store)   # snapshots take, restores write
         self.last_restore_bytes = 0
         self.tiers = capsule_tiers.Tiers(self.store, self.device, self.capsule_dir, self._capsule_key,
                                          self.platform.pinned_host_tier, cfg.capsule_host_budget_bytes,
@@ -350,7 +351,7 @@ class Engine:
         start = self.position
         ids = self._check_tokens(token_ids, start)
         if ids:
-            self._live_rows.truncate(start)
+            self.live.rows.truncate(start)
             self._moved_to(None)
             self._feed(start, ids)
             self._moved_to(start + len(ids))
@@ -380,7 +381,7 @@ class Engine:
                 self.sampler.configure(params)
                 self._sampling = params
             kv_len = self._kv_bucket(position + 1)
-            self._live_rows.truncate(position)
+            self.live.rows.truncate(position)
             self._moved_to(None)
             self.graphs.run(("decode", params.greedy, kv_len), self._decode_step(params.greedy, kv_len))
             token = int(self._tokens[0])
@@ -413,7 +414,7 @@ class Engine:
         self.arena["meta"][RNG_SEED] = self.config.seed
         self._moved_to(0)
         self.live_parent = ""
-        self._live_rows.clear()
+        self.live.rows.clear()
         self._restart_history()
 
     @torch.inference_mode()
@@ -429,56 +430,19 @@ class Engine:
         self.arena.read_live(position, data)
         return data
 
-    def _plan_rows(self, position: int) -> dict[str, tuple]:
-        """Per KV buffer: the stored segments the live rows share, and the row from which they must be copied."""
-        plan = {}
-        for name in self.layout.row_bytes:
-            shared = self._live_rows.shareable(name, position, self.store.blocks)
-            plan[name] = (shared, shared[-1][2] if shared else 0)
-        return plan
-
-    def _plan_bytes(self, plan: dict[str, tuple], position: int) -> int:
-        return self.layout.fixed_bytes + sum((position - start) * self.layout.row_bytes[name]
-                                             for name, (_, start) in plan.items())
-
-    def _take_rows(self, plan: dict[str, tuple], position: int) -> dict[str, tuple]:
-        """The live state as segments: a copy of the fixed state, shared rows, and copies of the rows after them."""
-        fixed = torch.empty(self.layout.fixed_bytes, dtype=torch.uint8, device=self.device)
-        self.arena.read_live(0, fixed)
-        rows = {FIXED: ((Block(0, fixed.numel(), fixed), 0, 1),)}
-        for name, (shared, start) in plan.items():
-            spec, fresh = self.arena.specs[name], ()
-            if position > start:
-                data = self.arena.storage[spec.offset + start * spec.row_bytes:
-                                          spec.offset + position * spec.row_bytes].clone()
-                fresh = ((Block(start, spec.row_bytes, data), start, position),)
-            rows[name] = shared + fresh
-        return rows
-
-    def _write_rows(self, name: str, segments: tuple, start: int) -> None:
-        """Copy the capsule rows from ``start`` on into the live KV buffer ``name``."""
-        spec = self.arena.specs[name]
-        for block, lo, hi in segments:
-            lo = max(lo, start)
-            if lo < hi:
-                src = block.data[(lo - block.start) * spec.row_bytes:(hi - block.start) * spec.row_bytes]
-                self.arena.storage[spec.offset + lo * spec.row_bytes:
-                                   spec.offset + hi * spec.row_bytes].copy_(src, non_blocking=True)
-
     def _new_capsule(self, capsule_id: str | None, label: str, parent: str) -> CapsuleInfo:
         new_id = self.store.new_id(capsule_id, label)
         position = self.position
-        plan = self._plan_rows(position)
+        plan = self.live.plan(position)
         shared = {block.id for segments, _ in plan.values() for block, _, _ in segments}
-        self.capsule_manager.make_room(self._plan_bytes(plan, position), label, protect=shared)
-        rows = self._take_rows(plan, position)
+        self.capsule_manager.make_room(self.live.plan_bytes(plan, position), label, protect=shared)
+        rows = self.live.take(plan, position)
         info = CapsuleInfo(id=new_id, parent=parent, label=label, position=position,
                            nbytes=self.layout.nbytes(position), tier="device" if self.device.type == "cuda" else "host",
                            checksum=checksum(row_parts(rows)) if self.config.checksum_on_snapshot else "",
                            created=time.time())
         self.store.add_rows(info, self.fingerprint, rows, lineage_parent=parent)
-        for name in self.layout.row_bytes:
-            self._live_rows.set(name, rows[name], position)
+        self.live.taken(rows, position)
         return self.store.info(new_id)
 
     @torch.inference_mode()
@@ -527,22 +491,14 @@ class Engine:
 
     def _load(self, capsule: StoredCapsule, kv_only: bool = False) -> None:
         """Make the capsule live: its fixed state, and only the KV rows the live arena does not already hold."""
-        position, fixed = capsule.info.position, capsule.rows[FIXED][0][0]
+        position = capsule.info.position
         self._moved_to(None)
-        self.arena.write_live(0, fixed.data, names=("meta",) if kv_only else None)
-        copied = self.arena.specs["meta"].nbytes if kv_only else fixed.nbytes
-        for name in ("kv",) if kv_only else self.layout.row_bytes:
-            segments = capsule.rows[name]
-            start = self._live_rows.common(name, segments)
-            self._write_rows(name, segments, start)
-            self._live_rows.set(name, segments, position)
-            copied += max(0, position - start) * self.layout.row_bytes[name]
-        self.last_restore_bytes = copied      # what this restore wrote (a sibling: the fixed state + divergence)
+        # what this restore wrote (a sibling: the fixed state + divergence)
+        self.last_restore_bytes = self.live.load(capsule.rows, position, kv_only)
         self._moved_to(position)
-        self._live_rows.truncate(position)
         self.live_parent = capsule.info.id
         self.store.touch(capsule.info.id)
-        self._restart_history(None if kv_only else fixed)
+        self._restart_history(None if kv_only else capsule.rows[FIXED][0][0])
 
     @torch.inference_mode()
     def restore(self, capsule_id: str, verify_checksum: bool = False, kv_only: bool = False) -> CapsuleInfo:
@@ -599,7 +555,7 @@ class Engine:
             self.arena.storage[:self._fixed_span].copy_(self._history[target.slot])
             self._next_slot = (target.slot + 1) % self.config.history_depth
         self._moved_to(position)
-        self._live_rows.truncate(position)
+        self.live.rows.truncate(position)
         self.live_parent = next((a for a in self.store.ancestors(self.live_parent)
                                  if self.store.get(a).info.position <= position), "")
         return position
@@ -608,9 +564,9 @@ class Engine:
         """Raise BUDGET_EXCEEDED unless capsules of the live state at all these positions (default: now) fit,
         the last one labelled ``label``. Each capsule after the first shares the rows of the one before it."""
         first, *later = sorted(positions or (self.position,))
-        need = self._plan_bytes(self._plan_rows(first), first)
+        need = self.live.plan_bytes(self.live.plan(first), first)
         for before, position in zip([first, *later], later):
-            need += self._plan_bytes({name: ((), before) for name in self.layout.row_bytes}, position)
+            need += self.live.plan_bytes({name: ((), before) for name in self.layout.row_bytes}, position)
         self.tiers.victims(need, label)
 
     def drop(self, capsule_id: str) -> int:

@@ -1,11 +1,7 @@
-"""The capsule store: capsules by id over shared blocks, their lineage, the numbering and the device byte budget;
-and :class:`LiveRows`, what the live arena holds of the stored blocks.
+"""The capsule store: capsules by id over shared blocks, their lineage, the numbering and the device byte budget.
 
 Blocks are reference-counted: dropping a capsule frees only the blocks no other capsule holds, and the budget counts
-every block once, so it is exactly the bytes held. :class:`LiveRows` records, per KV buffer, which blocks the live
-arena's rows [0, valid) equal (by block identity, so nothing is kept alive by it): a snapshot shares those rows
-instead of copying them, and a restore copies only rows where the live arena and the capsule are backed by different
-blocks.
+every block once, so it is exactly the bytes held.
 """
 from __future__ import annotations
 
@@ -216,45 +212,3 @@ class CapsuleStore:
     def full_capsule(self, capsule_id: str) -> Capsule:
         stored = self.get(capsule_id)
         return Capsule(stored.info, stored.fingerprint, self.materialise(capsule_id))
-
-
-
-class LiveRows:
-    """Per KV buffer: the blocks whose rows the live arena holds, as (block id, lo, hi), equal up to ``valid``."""
-
-    def __init__(self, names):
-        self._names = tuple(names)
-        self.clear()
-
-    def clear(self) -> None:
-        self._rows: dict[str, tuple[tuple[int, int, int], ...]] = {n: () for n in self._names}
-        self._valid = dict.fromkeys(self._names, 0)
-
-    def set(self, name: str, segments: tuple[Segment, ...], valid: int) -> None:
-        self._rows[name] = tuple((b.id, lo, hi) for b, lo, hi in segments)
-        self._valid[name] = valid
-
-    def truncate(self, position: int) -> None:
-        """Rows from ``position`` on are no longer known (rollback; new tokens are written there next)."""
-        for name in self._names:
-            self._valid[name] = min(self._valid[name], position)
-
-    def common(self, name: str, segments: tuple[Segment, ...]) -> int:
-        """How many leading rows of ``segments`` the live arena already holds (same blocks, same rows)."""
-        live, done, i, j = self._rows[name], 0, 0, 0
-        while i < len(live) and j < len(segments) and live[i][0] == segments[j][0].id:
-            done = min(live[i][2], segments[j][2])
-            i += live[i][2] == done
-            j += segments[j][2] == done
-        return min(done, self._valid[name])
-
-    def shareable(self, name: str, limit: int, blocks: dict[int, Block]) -> tuple[Segment, ...]:
-        """The live rows [0, q <= limit) still backed by stored blocks, as segments (q as large as possible)."""
-        limit = min(limit, self._valid[name])
-        out = []
-        for bid, lo, hi in self._rows[name]:
-            block = blocks.get(bid)
-            if block is None or lo >= limit:
-                break
-            out.append((block, lo, min(hi, limit)))
-        return tuple(out)
