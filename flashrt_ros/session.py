@@ -494,10 +494,11 @@ class Session:
     def pin_capsule(self, capsule_id: str, pinned: bool = True) -> CapsuleResult:
         """Pin a capsule to the device (fetched first) or unpin it; interrupted-* capsules stay pinned."""
         def run():
+            self._known(capsule_id)
             if not pinned and capsule_id.startswith(INTERRUPTED_PREFIX):
                 raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule {capsule_id!r} holds an interrupted "
                                                                f"stream: it stays pinned until resumed or dropped")
-            return self._capsule(self.engine.pin(self._known(capsule_id), pinned))
+            return self._capsule(self.engine.pin(capsule_id, pinned))
         return self._operation("pin", run, {"capsule_id": capsule_id, "pinned": pinned})
 
     def reset(self) -> Done:

@@ -3,8 +3,8 @@ import json
 
 import torch
 
-from flashrt_ros.runtime import capsule_file
-from flashrt_ros.runtime.capsule_store import opaque_rows, segment_bytes
+from flashrt_ros.runtime.capsule import file as capsule_file
+from flashrt_ros.runtime.capsule.capsule import opaque_rows, segment_bytes
 
 
 def flip_capsule_byte(engine, capsule_id: str, index: int, mask: int = 0x01) -> None:

@@ -6,7 +6,7 @@ Pure PyTorch; no ROS imports anywhere below this package. Names are imported on 
 import importlib
 
 _EXPORTS = {
-    "capsules": ("INTERRUPTED_PREFIX", "MAX_LABEL_BYTES", "CapsuleInfo", "validate_capsule_id",
+    "capsule.capsule": ("INTERRUPTED_PREFIX", "MAX_LABEL_BYTES", "CapsuleInfo", "validate_capsule_id",
                  "validate_client_capsule_id"),
     "config": ("PRESETS", "ModelConfig"),
     "engine": ("Engine", "EngineConfig"),

@@ -1,7 +1,7 @@
 """Device-side checksum of byte buffers: verifies a capsule where it lives, without copying it to the host.
 
 For in-memory integrity only (bit rot, a stray write, a bug that edits a stored capsule): it is NOT cryptographic,
-and someone who may choose the bytes can find collisions. Files are authenticated by capsule_file.py instead.
+and someone who may choose the bytes can find collisions. Files are authenticated by capsule/file.py instead.
 
 Each int32 word w_i (sign-extended) and its index i are mixed into a pseudo-random 64-bit value
 

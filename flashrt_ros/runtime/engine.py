@@ -17,17 +17,18 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from . import capsule_file as capsule_io
 from .arena import RNG_COUNTER, RNG_SEED, Arena, buffer_specs
-from .capsule_store import (DEVICE, DISK, FIXED, Block, DeltaStore, Layout, LiveRows, StoredCapsule, is_pinned,
-                            row_parts, rows_of_full)
-from .capsules import CapsuleInfo, label_nbytes
+from .capsule import file as capsule_io
+from .capsule import tiers as capsule_tiers
+from .capsule.capsule import FIXED, Block, CapsuleInfo, Layout, StoredCapsule, row_parts
+from .capsule.manager import CapsuleManager
+from .capsule.live import LiveCopier
+from .capsule.store import CapsuleStore
 from .checksum import checksum
 from .config import PRESETS
 from .errors import ErrorCode, FlashRTError
 from .graphs import GraphRunner
 from .kernels import quant_gemv
-from . import capsule_tiers
 from . import kernels as kernel_sets
 from . import platform, quant
 from .model import PIECE_BUCKET, SMALL_PIECE
@@ -62,6 +63,7 @@ class EngineConfig:
     capsule_key_file: str = ""          # HMAC key that signs and checks capsule files ("" = unsigned files)
     capsule_evict_policy: str = "refuse"    # refuse | lru: spill least-recently-used unpinned capsules down a tier
     capsule_host_budget_bytes: int = 1 << 30   # pinned host tier (discrete GPUs only; 0 = none)
+    max_capsules: int = 1024            # capsules stored at once, on every tier (each costs time in every listing)
 
     def validate(self) -> "EngineConfig":
         def bad(why):
@@ -83,6 +85,8 @@ class EngineConfig:
                       f"got {self.capsule_evict_policy!r}")
         if self.capsule_host_budget_bytes < 0:
             raise bad("capsule_host_budget_bytes must be >= 0")
+        if self.max_capsules < 1:
+            raise bad(f"max_capsules must be >= 1, got {self.max_capsules}")
         if not 0.0 <= self.capsule_budget_fraction <= 1.0:
             raise bad(f"capsule_budget_fraction must be in [0, 1], got {self.capsule_budget_fraction}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -146,13 +150,16 @@ class Engine:
         self._count = torch.ones((), dtype=torch.int64, device=self.device)  # real tokens of a small piece
         self.fingerprint = self._compute_fingerprint(dtype)
         self.layout = Layout.of(self.arena)
-        self.store = DeltaStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
+        self.store = CapsuleStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
                                                               self.platform, platform.mem_available_bytes()),
-                                self.layout)
-        self._live_rows = LiveRows(self.layout.row_bytes)     # which stored blocks the live KV rows equal
+                                self.layout, cfg.max_capsules)
+        self.live = LiveCopier(self.arena, self.layout, self.store)   # snapshots take, restores write
         self.last_restore_bytes = 0
         self.tiers = capsule_tiers.Tiers(self.store, self.device, self.capsule_dir, self._capsule_key,
-                                         self.platform.pinned_host_tier, cfg.capsule_host_budget_bytes)
+                                         self.platform.pinned_host_tier, cfg.capsule_host_budget_bytes,
+                                         cfg.capsule_evict_policy)
+        self.capsule_manager = CapsuleManager(self.store, self.tiers, self.fingerprint, cfg.max_context,
+                                              self.arena.live_nbytes, on_settle=self._release_freed_boundary)
         # capsule files of this engine in capsule_dir are disk-tier capsules; why the others were refused
         self.capsule_dir_refused = self.tiers.index(self.fingerprint, self.arena.live_nbytes)
         self._fixed_span = self.arena.specs["kv"].offset
@@ -212,7 +219,8 @@ class Engine:
                 "decode_tokens_per_s": self.stats_tokens_per_s, "arena_bytes": self.arena_bytes,
                 "capsule_bytes": self.capsule_bytes_used, "capsule_budget_bytes": self.capsule_budget_bytes,
                 "capsule_count": len(self.store.infos()), "capsule_host_bytes": self.store.host_bytes,
-                "capsule_tiers": ",".join(self.tiers.names), "kernel": self.kernel_name,
+                "capsule_tiers": ",".join(self.tiers.names), "capsule_tier_error": self.tiers.disk_failure,
+                "kernel": self.kernel_name,
                 "kernel_reason": self.kernel_reason, "weights_format": self.weights_format,
                 "cuda_graphs": len(self.graphs.graphs), **self.platform.diagnostics()}
 
@@ -339,7 +347,7 @@ class Engine:
         start = self.position
         ids = self._check_tokens(token_ids, start)
         if ids:
-            self._live_rows.truncate(start)
+            self.live.rows.truncate(start)
             self._moved_to(None)
             self._feed(start, ids)
             self._moved_to(start + len(ids))
@@ -369,7 +377,7 @@ class Engine:
                 self.sampler.configure(params)
                 self._sampling = params
             kv_len = self._kv_bucket(position + 1)
-            self._live_rows.truncate(position)
+            self.live.rows.truncate(position)
             self._moved_to(None)
             self.graphs.run(("decode", params.greedy, kv_len), self._decode_step(params.greedy, kv_len))
             token = int(self._tokens[0])
@@ -402,7 +410,7 @@ class Engine:
         self.arena["meta"][RNG_SEED] = self.config.seed
         self._moved_to(0)
         self.live_parent = ""
-        self._live_rows.clear()
+        self.live.rows.clear()
         self._restart_history()
 
     @torch.inference_mode()
@@ -418,56 +426,19 @@ class Engine:
         self.arena.read_live(position, data)
         return data
 
-    def _plan_rows(self, position: int) -> dict[str, tuple]:
-        """Per KV buffer: the stored segments the live rows share, and the row from which they must be copied."""
-        plan = {}
-        for name in self.layout.row_bytes:
-            shared = self._live_rows.shareable(name, position, self.store.blocks)
-            plan[name] = (shared, shared[-1][2] if shared else 0)
-        return plan
-
-    def _plan_bytes(self, plan: dict[str, tuple], position: int) -> int:
-        return self.layout.fixed_bytes + sum((position - start) * self.layout.row_bytes[name]
-                                             for name, (_, start) in plan.items())
-
-    def _take_rows(self, plan: dict[str, tuple], position: int) -> dict[str, tuple]:
-        """The live state as segments: a copy of the fixed state, shared rows, and copies of the rows after them."""
-        fixed = torch.empty(self.layout.fixed_bytes, dtype=torch.uint8, device=self.device)
-        self.arena.read_live(0, fixed)
-        rows = {FIXED: ((Block(0, fixed.numel(), fixed), 0, 1),)}
-        for name, (shared, start) in plan.items():
-            spec, fresh = self.arena.specs[name], ()
-            if position > start:
-                data = self.arena.storage[spec.offset + start * spec.row_bytes:
-                                          spec.offset + position * spec.row_bytes].clone()
-                fresh = ((Block(start, spec.row_bytes, data), start, position),)
-            rows[name] = shared + fresh
-        return rows
-
-    def _write_rows(self, name: str, segments: tuple, start: int) -> None:
-        """Copy the capsule rows from ``start`` on into the live KV buffer ``name``."""
-        spec = self.arena.specs[name]
-        for block, lo, hi in segments:
-            lo = max(lo, start)
-            if lo < hi:
-                src = block.data[(lo - block.start) * spec.row_bytes:(hi - block.start) * spec.row_bytes]
-                self.arena.storage[spec.offset + lo * spec.row_bytes:
-                                   spec.offset + hi * spec.row_bytes].copy_(src, non_blocking=True)
-
     def _new_capsule(self, capsule_id: str | None, label: str, parent: str) -> CapsuleInfo:
         new_id = self.store.new_id(capsule_id, label)
         position = self.position
-        plan = self._plan_rows(position)
+        plan = self.live.plan(position)
         shared = {block.id for segments, _ in plan.values() for block, _, _ in segments}
-        self._make_room(self._plan_bytes(plan, position), label, protect=shared)
-        rows = self._take_rows(plan, position)
+        self.capsule_manager.make_room(self.live.plan_bytes(plan, position), label, protect=shared)
+        rows = self.live.take(plan, position)
         info = CapsuleInfo(id=new_id, parent=parent, label=label, position=position,
                            nbytes=self.layout.nbytes(position), tier="device" if self.device.type == "cuda" else "host",
                            checksum=checksum(row_parts(rows)) if self.config.checksum_on_snapshot else "",
                            created=time.time())
         self.store.add_rows(info, self.fingerprint, rows, lineage_parent=parent)
-        for name in self.layout.row_bytes:
-            self._live_rows.set(name, rows[name], position)
+        self.live.taken(rows, position)
         return self.store.info(new_id)
 
     @torch.inference_mode()
@@ -481,17 +452,12 @@ class Engine:
             info = self.store.info(info.id)
         return info
 
-    # ---- tiers and eviction --------------------------------------------------------------------------------
-    def _settle(self, prefetched: bool = True) -> None:
-        """Finish the background spills that are done, attach the prefetches that are (unless not ``prefetched``:
-        inside :meth:`_make_room`, whose room is another capsule's); release a rollback boundary whose bytes left
-        the device."""
-        self.tiers.finish()
-        for stored, data in self.tiers.fetched() if prefetched else ():
-            try:
-                self._on_device(stored, data)
-            except FlashRTError as err:
-                _log.warning("prefetched capsule %r stays on disk: %s", stored.info.id, err.message)
+    # ---- tiers and eviction (capsule.manager) ----------------------------------------------------------------
+    def _settle(self) -> None:
+        self.capsule_manager.settle()
+
+    def _release_freed_boundary(self) -> None:
+        """Release a rollback boundary whose bytes left the device (run after every settle)."""
         oldest = self._boundaries[0] if self._boundaries else None
         if oldest is not None and oldest.fixed is not None and oldest.fixed.id not in self.store.blocks:
             # the oldest rollback boundary still points at a capsule's freed fixed state: release it too
@@ -500,129 +466,40 @@ class Engine:
             else:
                 self._boundaries.popleft()
 
-    def _victims(self, need: int, label: str, protect: set[int] = frozenset(),
-                 keep_ids: tuple[str, ...] = ()) -> list[StoredCapsule]:
-        """[] if ``need`` bytes and the label fit the device budget now; else, under the lru policy, the capsules to
-        spill first (never pinned, never ``keep_ids``, never a holder of a block in ``protect``); else refuse."""
-        try:
-            self.store.check_room(need, label)
-            return []
-        except FlashRTError as err:
-            if self.config.capsule_evict_policy != "lru":
-                raise
-            refusal = err
-
-        def keep(c: StoredCapsule) -> bool:
-            return (is_pinned(c) or c.info.id in keep_ids
-                    or any(b.id in protect for segments in c.rows.values() for b, _, _ in segments))
-        victims = self.store.eviction(need + label_nbytes(label), keep)
-        if victims is None or (DISK not in self.tiers.names and sum(v.info.nbytes for v in victims)
-                               > self.tiers.host_budget_bytes - self.store.host_bytes):
-            raise FlashRTError(ErrorCode.BUDGET_EXCEEDED, f"{refusal.message}; spilling every unpinned capsule "
-                                                          f"to the tiers below ({', '.join(self.tiers.names[1:]) or 'none'}) "
-                                                          f"would not make room")
-        return victims
-
-    def _make_room(self, need: int, label: str, protect: set[int] = frozenset(),
-                   keep_ids: tuple[str, ...] = ()) -> None:
-        for victim in self._victims(need, label, protect, keep_ids):
-            self.tiers.spill(victim, self.tiers.below(victim), wait=False)     # never waits for a file write
-        self._settle(prefetched=False)
-
     @torch.inference_mode()
     def spill(self, capsule_id: str, tier: str = "", wait: bool = True) -> CapsuleInfo:
         """Move a capsule off the device: to ``tier`` (host | disk; "" = the next one down). Its device blocks are
         released at once. A disk spill with ``wait=False`` writes the file in the background: until it is complete
         the capsule is on the host tier (its staging copy, restorable); a failed write leaves it there. A disk
         spill of a capsule whose file is being written joins that write, whether or not it ends meanwhile."""
-        joins_its_write = tier in ("", DISK) and capsule_id in self.tiers.pending
-        self._settle()
-        stored = self.store.get(capsule_id)
-        tier = tier or (self.tiers.below(stored) or DISK)
-        if not (joins_its_write and stored.tier == DISK):
-            self.tiers.check_target(stored, tier)
-        self.tiers.spill(stored, tier, wait)
-        self._settle()
-        return self.store.info(capsule_id)
+        return self.capsule_manager.spill(capsule_id, tier, wait)
 
     @torch.inference_mode()
     def fetch(self, capsule_id: str, wait: bool = True) -> CapsuleInfo:
         """Bring a host or disk tier capsule back onto the device (making room as the policy allows). A disk-tier
         capsule with ``wait=False`` (a prefetch) is read in the background and attached at the next capsule call;
         a restore of it waits for the read. Refused now if it could not fit."""
-        self._settle()
-        stored = self.store.get(capsule_id)
-        if not wait and stored.tier == DISK:
-            self._victims(self.layout.nbytes(stored.info.position), "", keep_ids=(capsule_id,))
-            self.tiers.prefetch(stored)
-        else:
-            self._on_device(stored)
-        return self.store.info(capsule_id)
-
-    def _on_device(self, stored: StoredCapsule, data: torch.Tensor | None = None) -> None:
-        if stored.tier != DEVICE:
-            if data is None:
-                data = self.tiers.fetch_bytes(stored)        # read and checked before any room is made
-            self._make_room(self.layout.nbytes(stored.info.position), "", keep_ids=(stored.info.id,))
-            self.tiers.attach(stored, data)
+        return self.capsule_manager.fetch(capsule_id, wait)
 
     def pin(self, capsule_id: str, pinned: bool = True) -> CapsuleInfo:
         """Pin a capsule to the device (fetched first) or unpin it."""
-        self._settle()
-        stored = self.store.get(capsule_id)
-        if pinned:
-            self._on_device(stored)
-        stored.pinned = pinned
-        return self.store.info(capsule_id)
-
-    def _restorable(self, capsule_id: str, verify_checksum: bool, fetch: bool = True) -> StoredCapsule:
-        """A capsule that may become live, on the device (fetched if it was spilled, unless not ``fetch``)."""
-        self._settle()
-        capsule = self.store.get(capsule_id)
-        if capsule.fingerprint != self.fingerprint:
-            raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
-                               f"capsule {capsule_id!r} was taken from another model, config or plan "
-                               f"(fingerprint {capsule.fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
-        self._check_size(capsule.info, f"capsule {capsule_id!r}")
-        if verify_checksum:
-            if not capsule.info.checksum:
-                raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"capsule {capsule_id!r} has no stored checksum")
-            if self._capsule_checksum(capsule) != capsule.info.checksum:
-                raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"capsule {capsule_id!r} is corrupted: its bytes "
-                                                                f"no longer match its checksum")
-        if fetch:
-            self._on_device(capsule)
-        return capsule
-
-    def _check_size(self, info: CapsuleInfo, what: str) -> None:
-        """A header whose position does not match the payload would leave stale KV rows live: refuse it."""
-        if info.position > self.max_context or info.nbytes != self.arena.live_nbytes(info.position):
-            raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"{what}: corrupted (its size does not match its "
-                                                            f"position {info.position})")
+        return self.capsule_manager.pin(capsule_id, pinned)
 
     def _load(self, capsule: StoredCapsule, kv_only: bool = False) -> None:
         """Make the capsule live: its fixed state, and only the KV rows the live arena does not already hold."""
-        position, fixed = capsule.info.position, capsule.rows[FIXED][0][0]
+        position = capsule.info.position
         self._moved_to(None)
-        self.arena.write_live(0, fixed.data, names=("meta",) if kv_only else None)
-        copied = self.arena.specs["meta"].nbytes if kv_only else fixed.nbytes
-        for name in ("kv",) if kv_only else self.layout.row_bytes:
-            segments = capsule.rows[name]
-            start = self._live_rows.common(name, segments)
-            self._write_rows(name, segments, start)
-            self._live_rows.set(name, segments, position)
-            copied += max(0, position - start) * self.layout.row_bytes[name]
-        self.last_restore_bytes = copied      # what this restore wrote (a sibling: the fixed state + divergence)
+        # what this restore wrote (a sibling: the fixed state + divergence)
+        self.last_restore_bytes = self.live.load(capsule.rows, position, kv_only)
         self._moved_to(position)
-        self._live_rows.truncate(position)
         self.live_parent = capsule.info.id
         self.store.touch(capsule.info.id)
-        self._restart_history(None if kv_only else fixed)
+        self._restart_history(None if kv_only else capsule.rows[FIXED][0][0])
 
     @torch.inference_mode()
     def restore(self, capsule_id: str, verify_checksum: bool = False, kv_only: bool = False) -> CapsuleInfo:
         """Make the capsule the live state. ``kv_only`` restores only KV and metadata (an ablation: it diverges)."""
-        capsule = self._restorable(capsule_id, verify_checksum)
+        capsule = self.capsule_manager.restorable(capsule_id, verify_checksum)
         self._load(capsule, kv_only)
         return self.store.info(capsule_id)
 
@@ -636,8 +513,8 @@ class Engine:
                 self.live_parent = info.id
             return info
         new_id = self.store.new_id(capsule_id, label)
-        source = self._restorable(source_id, verify_checksum=False)
-        self._make_room(0, label, keep_ids=(source_id,))
+        source = self.capsule_manager.restorable(source_id, verify_checksum=False)
+        self.capsule_manager.make_room(0, label, keep_ids=(source_id,))
         info = dataclasses.replace(source.info, id=new_id, parent=source_id, label=label, created=time.time())
         self.store.add_rows(info, source.fingerprint, dict(source.rows), lineage_parent=source_id)  # all shared
         self.store.touch(source_id)
@@ -651,11 +528,11 @@ class Engine:
         if (capsule_id is None) == (steps is None):
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "rollback needs exactly one of capsule_id or steps")
         if capsule_id is not None:
-            capsule = self._restorable(capsule_id, verify_checksum=False, fetch=False)
+            capsule = self.capsule_manager.restorable(capsule_id, verify_checksum=False, fetch=False)
             if capsule_id not in self.store.ancestors(self.live_parent):
                 raise FlashRTError(ErrorCode.NOT_IN_LINEAGE, f"capsule {capsule_id!r} is not an ancestor of the live "
                                                              f"state (live descends from {self.live_parent!r})")
-            self._on_device(capsule)
+            self.capsule_manager.on_device(capsule)
             self._load(capsule)
             return self.position
         if steps < 1:
@@ -674,7 +551,7 @@ class Engine:
             self.arena.storage[:self._fixed_span].copy_(self._history[target.slot])
             self._next_slot = (target.slot + 1) % self.config.history_depth
         self._moved_to(position)
-        self._live_rows.truncate(position)
+        self.live.rows.truncate(position)
         self.live_parent = next((a for a in self.store.ancestors(self.live_parent)
                                  if self.store.get(a).info.position <= position), "")
         return position
@@ -683,27 +560,28 @@ class Engine:
         """Raise BUDGET_EXCEEDED unless capsules of the live state at all these positions (default: now) fit,
         the last one labelled ``label``. Each capsule after the first shares the rows of the one before it."""
         first, *later = sorted(positions or (self.position,))
-        need = self._plan_bytes(self._plan_rows(first), first)
+        need = self.live.plan_bytes(self.live.plan(first), first)
         for before, position in zip([first, *later], later):
-            need += self._plan_bytes({name: ((), before) for name in self.layout.row_bytes}, position)
-        self._victims(need, label)
+            need += self.live.plan_bytes({name: ((), before) for name in self.layout.row_bytes}, position)
+        self.tiers.victims(need, label)
 
     def drop(self, capsule_id: str) -> int:
         """Free a capsule. The live state and other capsules then descend from its nearest stored ancestor."""
-        self._settle()
-        self.tiers.forget(self.store.get(capsule_id))
-        freed, parent = self.store.drop(capsule_id)
+        freed, parent = self.capsule_manager.drop(capsule_id)
         if self.live_parent == capsule_id:
             self.live_parent = parent
-        self._settle()
         return freed
 
     def capsule(self, capsule_id: str) -> CapsuleInfo:
         return self.store.info(capsule_id)
 
+    def close(self) -> None:
+        """Finish the tiers' background work (pending spill files complete, dropped capsules' files gone) and stop
+        their threads. Idempotent; the owner calls it when it lets the engine go (the node: cleanup, shutdown)."""
+        self.capsule_manager.close()
+
     def capsules(self) -> list[CapsuleInfo]:
-        self._settle()
-        return self.store.infos()
+        return self.capsule_manager.infos()
 
     @torch.inference_mode()
     def live_checksum(self) -> str:
@@ -716,68 +594,28 @@ class Engine:
         """A copy of the live state's bytes in capsule layout (for byte-exact checks)."""
         return self._copy_live(self.position)
 
-    def _capsule_checksum(self, stored: StoredCapsule) -> str:
-        """In place for a device-tier capsule (its blocks), else over its bytes from the tier it is on."""
-        return checksum(row_parts(stored.rows) if stored.tier == DEVICE else self.capsule_bytes(stored.info.id))
-
     def capsule_bytes(self, capsule_id: str) -> torch.Tensor:
         """A capsule's full bytes in capsule layout (a copy: its shared rows included), wherever it is."""
-        return self.tiers.full_bytes(self.store.get(capsule_id), self.device)
+        return self.capsule_manager.capsule_bytes(capsule_id)
 
     # ---- files -------------------------------------------------------------------------------------------
     def capsule_file(self, capsule_id: str) -> Path:
         """``<capsule_dir>/<capsule_id>.capsule``; NO_CAPSULE_DIR when no capsule directory is configured."""
-        if self.capsule_dir is None:
-            raise FlashRTError(ErrorCode.NO_CAPSULE_DIR, "capsule files are disabled: the capsule_dir parameter is "
-                                                         "empty")
-        return capsule_io.capsule_path(self.capsule_dir, capsule_id)
+        return self.capsule_manager.capsule_file(capsule_id)
 
     def export_capsule(self, capsule_id: str) -> CapsuleInfo:
         """Write a stored capsule to :meth:`capsule_file` (atomic; signed when a key is configured). A capsule on
         the disk tier is in that file already (nothing to write). Any other file of that id is kept
         (DUPLICATE_CAPSULE_ID): remove it first to export again. An exported file stays when the capsule is
         dropped or fetched."""
-        path = self.capsule_file(capsule_id)
-        info = self.store.info(capsule_id)
-        self.tiers.wait(capsule_id)                    # a pending spill of it ends first: its file is the export
-        stored = self.store.get(capsule_id)
-        if stored.tier == DISK:
-            stored.owns_file = False
-            return self.store.info(capsule_id)
-        if path.exists():
-            raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"{path.name} already exists in the capsule "
-                                                               f"directory (remove it to export {capsule_id!r} again)")
-        self.tiers.ready(stored)
-        capsule_io.write_capsule_file(self.store.full_capsule(capsule_id), path, key=self._capsule_key)
-        return info
-
-    def _check_import(self, capsule_id: str, info: CapsuleInfo, fingerprint: str) -> None:
-        """What a capsule file must be to enter the store, checked before its payload is read."""
-        if info.id != capsule_id:
-            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"{capsule_id}.capsule holds capsule {info.id!r} "
-                                                           f"(a renamed file): name it {info.id}.capsule")
-        if fingerprint != self.fingerprint:
-            raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
-                               f"capsule file {capsule_id!r} was taken from another model, config or plan "
-                               f"(fingerprint {fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
-        self._check_size(info, f"capsule file {capsule_id!r}")
-        self.store.new_id(capsule_id, info.label)
-        self._victims(info.nbytes, info.label)         # refuses unless it fits (after eviction, under lru)
+        return self.capsule_manager.export_capsule(capsule_id)
 
     @torch.inference_mode()
     def import_capsule(self, capsule_id: str) -> CapsuleInfo:
         """Read :meth:`capsule_file` into the store: same fingerprint, free id, within the budget; its recorded
         parent belongs to another session, so it starts a lineage of its own. A file listed at configure is a
         disk-tier capsule already: importing it fetches it onto the device."""
-        self.tiers.wait(capsule_id)                    # a dropped capsule's pending write of this id ends first
-        if capsule_id in self.store and self.store.get(capsule_id).tier == DISK:
-            return self.fetch(capsule_id)
-        capsule = capsule_io.read_capsule_file(self.capsule_file(capsule_id), self.device, key=self._capsule_key,
-                                               expect=lambda info, fp: self._check_import(capsule_id, info, fp))
-        self._make_room(capsule.info.nbytes, capsule.info.label)
-        rows = rows_of_full(self.layout, capsule.data, capsule.info.position)
-        self.store.add_rows(capsule.info, capsule.fingerprint, rows, lineage_parent="")
-        return self.store.info(capsule_id)
+        return self.capsule_manager.import_capsule(capsule_id)
 
     # ---- identity ----------------------------------------------------------------------------------------
     def _compute_fingerprint(self, dtype: torch.dtype) -> str:

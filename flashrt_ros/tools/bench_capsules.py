@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from flashrt_ros.runtime.capsule_store import DISK, HOST
+from flashrt_ros.runtime.capsule.capsule import DISK, HOST
 from flashrt_ros.runtime.engine import Engine
 
 from . import bench_files

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from flashrt_ros.runtime import capsule_file
-from flashrt_ros.runtime.capsules import Capsule, CapsuleInfo
+from flashrt_ros.runtime.capsule import file as capsule_file
+from flashrt_ros.runtime.capsule.capsule import Capsule, CapsuleInfo
 from flashrt_ros.runtime.checksum import checksum
 
 from .timing import timed

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError
-from flashrt_ros.runtime import capsule_file
+from flashrt_ros.runtime.capsule import file as capsule_file
 from flashrt_ros.runtime.platform import PlatformReport
 
 CONFIG = EngineConfig(model="tiny", max_context=256, prefill_chunk=16, history_depth=8)
@@ -422,7 +422,8 @@ def test_capsules_on_disk_survive_a_restart_and_other_fingerprints_are_refused_w
 
 CRASH = textwrap.dedent("""
     import os, signal, sys, time
-    from flashrt_ros.runtime import Engine, EngineConfig, capsule_file
+    from flashrt_ros.runtime import Engine, EngineConfig
+    from flashrt_ros.runtime.capsule import file as capsule_file
     engine = Engine(EngineConfig(model="tiny", max_context=256, prefill_chunk=16, capsule_dir=sys.argv[1]))
     engine.ingest([4] * 200)
     engine.snapshot("a")

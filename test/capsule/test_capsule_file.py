@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from capsule_helpers import assemble, flip_capsule_byte, split
 from flashrt_ros.runtime import Engine, ErrorCode, FlashRTError
-from flashrt_ros.runtime import capsule_file
+from flashrt_ros.runtime.capsule import file as capsule_file
 from flashrt_ros.runtime import checksum as checksum_module
 from flashrt_ros.runtime.checksum import checksum
 from test_runtime_capsules import CONFIG, PROMPT, greedy, refused

@@ -18,9 +18,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
-from flashrt_ros.runtime import capsule_file
-from flashrt_ros.runtime.capsule_store import DEVICE, HOST
-from flashrt_ros.runtime.capsules import label_nbytes
+from flashrt_ros.runtime.capsule import file as capsule_file
+from flashrt_ros.runtime.capsule.capsule import DEVICE, HOST, label_nbytes
 
 # room for about six capsules at full context: snapshots, forks and fetches evict (lru) to disk
 CONFIG = EngineConfig(model="tiny", max_context=160, prefill_chunk=16, history_depth=6,

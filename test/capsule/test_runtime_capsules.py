@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from flashrt_ros.runtime import (MAX_LABEL_BYTES, Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams,
                                  validate_capsule_id)
-from flashrt_ros.runtime.capsule_store import FIXED
+from flashrt_ros.runtime.capsule.capsule import FIXED
 from flashrt_ros.runtime.checksum import checksum
 
 from capsule_helpers import flip_capsule_byte, plant_foreign_capsule

@@ -10,7 +10,8 @@ from test_node_lifecycle import lifecycle_state, transition
 from test_node_services import engine_state, events, fresh, observe, on_engine  # noqa: F401 - fixtures
 
 from flashrt_ros.msg import ErrorCode
-from flashrt_ros.runtime import Engine, EngineConfig, capsule_file
+from flashrt_ros.runtime import Engine, EngineConfig
+from flashrt_ros.runtime.capsule import file as capsule_file
 from flashrt_ros.session import ObservationInput
 from flashrt_ros.srv import DropCapsule, ExportCapsule, ImportCapsule, ListCapsules, Restore, Snapshot
 

@@ -20,31 +20,54 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from . import capsule_file
-from .capsule_store import DEVICE, DISK, HOST, DeltaStore, StoredCapsule, is_pinned, rows_of_full
-from .capsules import Capsule
-from .errors import ErrorCode, FlashRTError
+from . import file as capsule_file
+from .capsule import DEVICE, DISK, HOST, Capsule, StoredCapsule, is_pinned, label_nbytes, rows_of_full
+from .store import CapsuleStore
+from ..errors import ErrorCode, FlashRTError
 
-POLICIES = ("refuse", "lru")
+POLICIES = ("refuse", "lru")   # a capsule that does not fit the device budget: refused, or room made (victims)
 _log = logging.getLogger("flashrt.runtime")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class _Write:
-    future: Future
+    """A background write of a capsule's file. Its publication (the rename to the file's name) and a drop of the
+    capsule are serialised, so a dropped capsule's file never outlives the drop (nor a crash right after it)."""
     stored: StoredCapsule
     staging: torch.Tensor          # the host copy the file is written from (the capsule's bytes until it is done)
+    future: Future | None = None
+    dropped: bool = False
+    published: bool = False
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def publish(self, tmp: str, path: Path) -> bool:
+        """(The writer thread, once the file is complete.) Rename it into place unless the capsule was dropped."""
+        with self.lock:
+            if not self.dropped:
+                os.replace(tmp, path)
+                self.published = True
+            return self.published
+
+    def drop(self, path: Path) -> None:
+        """The capsule was dropped: its file never appears, or goes now if it already has."""
+        with self.lock:
+            self.dropped = True
+            if self.published:
+                capsule_file.remove_capsule_file(path)
 
 
 class Tiers:
-    def __init__(self, store: DeltaStore, device: torch.device, capsule_dir: Path | None, key: bytes | None,
-                 host_tier: bool, host_budget_bytes: int):
+    def __init__(self, store: CapsuleStore, device: torch.device, capsule_dir: Path | None, key: bytes | None,
+                 host_tier: bool, host_budget_bytes: int, policy: str = "refuse"):
         self.store, self.device, self.capsule_dir, self.key = store, device, capsule_dir, key
+        self.policy = policy
         self.host_budget_bytes = host_budget_bytes if host_tier else 0
         self.names = (DEVICE,) + ((HOST,) if self.host_budget_bytes else ()) + ((DISK,) if capsule_dir else ())
         self._pin = host_tier and device.type == "cuda"
@@ -54,6 +77,7 @@ class Tiers:
         self._writes: dict[str, _Write] = {}
         self._reads: dict[str, tuple[Future, StoredCapsule]] = {}
         self._copies: dict[str, torch.cuda.Event] = {}     # host copies still in flight on the side stream
+        self._failed: dict[str, tuple[StoredCapsule, str]] = {}   # capsules left on their host copy by a failed write
 
     # ---- where a capsule can go ---------------------------------------------------------------------------
     def path(self, capsule_id: str) -> Path:
@@ -65,6 +89,46 @@ class Tiers:
                 self.store.host_bytes + stored.info.nbytes <= self.host_budget_bytes:
             return HOST
         return DISK if DISK in self.names and stored.tier != DISK else None
+
+    def victims(self, need: int, label: str, protect: set[int] = frozenset(),
+                keep_ids: tuple[str, ...] = ()) -> list[StoredCapsule]:
+        """The eviction policy. [] if ``need`` bytes and the label fit the device budget now; else, under the lru
+        policy, the capsules to spill first (never pinned, never ``keep_ids``, never a holder of a block in
+        ``protect``); else refuse."""
+        try:
+            self.store.check_room(need, label)
+            return []
+        except FlashRTError as err:
+            if self.policy != "lru":
+                raise
+            refusal = err
+
+        def keep(c: StoredCapsule) -> bool:
+            return (is_pinned(c) or c.info.id in keep_ids
+                    or any(b.id in protect for segments in c.rows.values() for b, _, _ in segments))
+        victims = self.store.eviction(need + label_nbytes(label), keep)
+        failure = self.disk_failure
+        if victims is None or ((DISK not in self.names or failure) and sum(v.info.nbytes for v in victims)
+                               > self.host_budget_bytes - self.store.host_bytes):
+            why = f"; {failure}" if failure and victims is not None else ""
+            raise FlashRTError(ErrorCode.BUDGET_EXCEEDED, f"{refusal.message}; spilling every unpinned capsule "
+                                                          f"to the tiers below ({', '.join(self.names[1:]) or 'none'}) "
+                                                          f"would not make room{why}")
+        return victims
+
+    @property
+    def disk_failure(self) -> str:
+        """Why the disk tier takes no evictions now ("" = it does): capsules whose file write failed are still on
+        their host copy, outside every budget, until they are dropped, fetched or spilled again."""
+        for capsule_id, (stored, _) in list(self._failed.items()):
+            if capsule_id not in self.store or self.store.get(capsule_id) is not stored or stored.tier != HOST:
+                del self._failed[capsule_id]
+        if not self._failed:
+            return ""
+        stranded = [stored for stored, _ in self._failed.values()]
+        last = next(reversed(self._failed.values()))[1]
+        return (f"the disk tier failed: {len(stranded)} capsule(s), {sum(c.info.nbytes for c in stranded)} B, "
+                f"are held in host memory after failed writes (last: {last}); drop or fetch them, or fix capsule_dir")
 
     def check_target(self, stored: StoredCapsule, tier: str) -> None:
         """Refuse (changing nothing) a move of ``stored`` to ``tier``."""
@@ -85,7 +149,7 @@ class Tiers:
             raise FlashRTError(ErrorCode.BUDGET_EXCEEDED, f"{what} ({stored.info.nbytes} B) does not fit the host "
                                                           f"tier: {self.store.host_bytes} of "
                                                           f"{self.host_budget_bytes} B in use")
-        if tier == DISK and stored.info.id not in self._writes and self.path(stored.info.id).exists() \
+        if tier == DISK and stored.info.id not in self._writes and os.path.lexists(self.path(stored.info.id)) \
                 and not self._same_file(stored):
             raise FlashRTError(ErrorCode.DUPLICATE_CAPSULE_ID, f"{self.path(stored.info.id).name} in the capsule "
                                                                f"directory holds another capsule")
@@ -145,10 +209,9 @@ class Tiers:
         staging = stored.host if stored.host is not None else self._host_copy(stored)
         self.store.release(stored)
         stored.host, stored.tier = staging, HOST
-        event = self._copies.get(stored.info.id)
-        future = self._writer.submit(self._write, Capsule(stored.info, stored.fingerprint, staging),
-                                     self.path(stored.info.id), event)
-        self._writes[stored.info.id] = _Write(future, stored, staging)
+        write = self._writes[stored.info.id] = _Write(stored, staging)
+        write.future = self._writer.submit(self._write, Capsule(stored.info, stored.fingerprint, staging),
+                                           self.path(stored.info.id), self._copies.get(stored.info.id), write)
         error = self.wait(stored.info.id) if wait else None
         if error is not None:
             raise FlashRTError(ErrorCode.FILE_ERROR, f"spill of capsule {stored.info.id!r} to disk failed, it stays "
@@ -166,11 +229,11 @@ class Tiers:
         while self._writes and sum(w.staging.numel() for w in self._writes.values()) + nbytes > self.staging_limit:
             self.wait(next(iter(self._writes)))
 
-    def _write(self, capsule: Capsule, path: Path, event: torch.cuda.Event | None) -> None:
+    def _write(self, capsule: Capsule, path: Path, event: torch.cuda.Event | None, write: _Write) -> None:
         """(The writer thread.)"""
         if event is not None:
             event.synchronize()
-        capsule_file.write_capsule_file(capsule, path, self.key)
+        capsule_file.write_capsule_file(capsule, path, self.key, publish=write.publish)
 
     def _to_disk(self, stored: StoredCapsule, owns_file: bool) -> None:
         self.store.release(stored)
@@ -212,11 +275,13 @@ class Tiers:
             if current:
                 _log.warning("spill of capsule %r to disk failed; it stays on its host copy (%d B): %s",
                              capsule_id, write.staging.numel(), error)
+                self._failed.pop(capsule_id, None)               # the newest failure last
+                self._failed[capsule_id] = (stored, str(error))
             return error
         if current:
             self._to_disk(stored, owns_file=True)
-        else:                                  # dropped, or fetched back, while its file was written
-            self.path(capsule_id).unlink(missing_ok=True)
+        elif not write.dropped:                # fetched back while its file was written (a drop removed its own)
+            capsule_file.remove_capsule_file(self.path(capsule_id))
         return None
 
     # ---- fetches -------------------------------------------------------------------------------------------
@@ -268,22 +333,25 @@ class Tiers:
         # the device tier by its memory kind, as a snapshot reports it
         stored.info = dataclasses.replace(stored.info, tier="device" if self.device.type == "cuda" else "host")
         if stored.owns_file:
-            self.path(stored.info.id).unlink(missing_ok=True)
+            capsule_file.remove_capsule_file(self.path(stored.info.id))
             stored.owns_file = False
 
     def forget(self, stored: StoredCapsule) -> None:
-        """A dropped capsule: cancel its queued write (a running one's file is deleted when it ends, by
-        :meth:`finish`) and its prefetch, delete the file a spill wrote for it."""
+        """A dropped capsule: cancel its queued write (a running one never publishes its file, or removes it if it
+        did) and its prefetch, delete the file a spill wrote for it. Durable when this returns."""
         write = self._writes.get(stored.info.id)
-        if write is not None and write.stored is stored and write.future.cancel():
-            del self._writes[stored.info.id]
+        if write is not None and write.stored is stored:
+            if write.future.cancel():
+                del self._writes[stored.info.id]
+            else:
+                write.drop(self.path(stored.info.id))
         read = self._reads.get(stored.info.id)
         if read is not None and read[1] is stored:
             read[0].cancel()
             del self._reads[stored.info.id]
         self._copies.pop(stored.info.id, None)
         if stored.owns_file:
-            self.path(stored.info.id).unlink(missing_ok=True)
+            capsule_file.remove_capsule_file(self.path(stored.info.id))
 
     # ---- configure -----------------------------------------------------------------------------------------
     def index(self, fingerprint: str, nbytes_at) -> list[str]:
@@ -312,6 +380,8 @@ class Tiers:
         return refused
 
     def close(self) -> None:
+        """Finish every pending write and read, then stop the threads (again: nothing more to do)."""
         self.drain()
+        self.finish()
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)

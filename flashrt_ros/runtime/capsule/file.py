@@ -14,22 +14,25 @@ the file can recompute it: only a key makes a forged file (e.g. another model's 
 fingerprint) detectable. A reader uses its own key setting, never the header's ``auth``: with a key it refuses
 unsigned files, without one it refuses signed files (it cannot check them).
 
-Reading checks, in order and before allocating anything: the prelude, the header tag, the header's fields and
-types, the file size against the header, then the caller's ``expect(info, fingerprint)`` (the engine: its
-fingerprint, the byte count its arena has at that position, the id, the budget). Only then is one tensor of the
-payload's size allocated and filled chunk by chunk while hashing; the file tag and the capsule's device
-checksum are checked before the capsule is returned. Version 1 files (whose label, parent and created were
-outside a linear checksum) are refused with that reason.
+Reading opens plain files only, never through a symbolic link and never waiting on a FIFO. It checks, in order
+and before allocating anything: the prelude, the header tag, the header's fields, their types and ranges (position,
+nbytes, created: the MAX_* limits of :mod:`.capsule`), the file size against the header, then the caller's
+``expect(info, fingerprint)`` (the engine: its fingerprint, the byte count its arena has at that position, the id,
+the budget). Only then is one tensor of the payload's size allocated and filled chunk by chunk while hashing; the
+file tag and the capsule's device checksum are checked before the capsule is returned. Version 1 files (whose
+label, parent and created were outside a linear checksum) are refused with that reason.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import hmac
 import json
 import math
 import os
 import re
+import stat
 import struct
 import tempfile
 from pathlib import Path
@@ -37,9 +40,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from .capsules import Capsule, CapsuleInfo, label_nbytes, validate_capsule_id
-from .checksum import checksum
-from .errors import ErrorCode, FlashRTError
+from .capsule import (MAX_CREATED_S, MAX_NBYTES, MAX_POSITION, Capsule, CapsuleInfo, label_nbytes,
+                      validate_capsule_id)
+from ..checksum import checksum
+from ..errors import ErrorCode, FlashRTError
 
 FILE_SUFFIX = ".capsule"
 MIN_KEY_BYTES = 16
@@ -63,14 +67,14 @@ def capsule_path(capsule_dir: str | Path, capsule_id: str) -> Path:
 
 
 def capsule_file_ids(capsule_dir: str | Path) -> list[str]:
-    """Ids of the capsule files in a directory, sorted; temporary files (names starting with '.') and names that
-    are not ``<valid id>.capsule`` are ignored."""
+    """Ids of the capsule files in a directory, sorted: every entry named ``<valid id>.capsule`` (the one naming
+    rule, :func:`capsule_path`), whatever it is (reading one that is not a plain file refuses it, :func:`_open`).
+    A temporary file (``write_capsule_file``) ends in ``.tmp``, so it is never such a name."""
     ids = []
-    for entry in Path(capsule_dir).iterdir():
-        stem = entry.name[:-len(FILE_SUFFIX)]
-        if entry.name.endswith(FILE_SUFFIX) and not entry.name.startswith(".") and entry.is_file():
+    for name in os.listdir(capsule_dir):
+        if name.endswith(FILE_SUFFIX):
             try:
-                ids.append(validate_capsule_id(stem))
+                ids.append(validate_capsule_id(name[:-len(FILE_SUFFIX)]))
             except FlashRTError:
                 continue
     return sorted(ids)
@@ -130,10 +134,17 @@ def _payload_chunks(data: torch.Tensor) -> Iterator[memoryview]:
         yield view[:piece.numel()]
 
 
-def write_capsule_file(capsule: Capsule, path: str | Path, key: bytes | None = None) -> None:
+def _replace(tmp: str, path: Path) -> bool:
+    os.replace(tmp, path)
+    return True
+
+
+def write_capsule_file(capsule: Capsule, path: str | Path, key: bytes | None = None,
+                       publish: Callable[[str, Path], bool] = _replace) -> None:
     """Write ``capsule`` (its full bytes) atomically: a '.'-named temporary file in the same folder, fsync, then
     rename over ``path`` and fsync the folder. A crash at any point leaves ``path`` as it was (absent or the old
-    file). A capsule without a stored checksum gets one computed here."""
+    file). A capsule without a stored checksum gets one computed here. ``publish(tmp, path)`` does the rename; if
+    it returns False (the caller withdrew the file) the temporary file is removed and ``path`` is left alone."""
     path = Path(path)
     if not path.parent.is_dir():
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"cannot write {path}: folder {path.parent} does not exist")
@@ -150,7 +161,10 @@ def write_capsule_file(capsule: Capsule, path: str | Path, key: bytes | None = N
     header_mac.update(prelude + header)
     header_tag = header_mac.digest()
     file_mac.update(prelude + header + header_tag)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:                 # an unwritable or vanished folder: refused, not a crash
+        raise FlashRTError(ErrorCode.FILE_ERROR, f"cannot write {path}: {err.strerror or err}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(prelude + header + header_tag)
@@ -160,7 +174,9 @@ def write_capsule_file(capsule: Capsule, path: str | Path, key: bytes | None = N
             f.write(file_mac.digest())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if not publish(tmp, path):
+            Path(tmp).unlink(missing_ok=True)
+            return
         _fsync_dir(path.parent)
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
@@ -168,6 +184,15 @@ def write_capsule_file(capsule: Capsule, path: str | Path, key: bytes | None = N
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def remove_capsule_file(path: Path) -> None:
+    """Delete a capsule file for good: unlinked and the folder synced, so it does not come back after a crash."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -185,12 +210,22 @@ def _corrupt(path: Path, why: str) -> FlashRTError:
 
 
 def _open(path: Path):
+    """Open a capsule file for reading: a plain file only, never through a link, and never waiting (O_NOFOLLOW,
+    O_NONBLOCK: a FIFO or device of that name is refused, not waited on)."""
     try:
-        return open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise FlashRTError(ErrorCode.UNKNOWN_CAPSULE, f"no capsule file {path.name} in {path.parent}") from None
     except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise FlashRTError(ErrorCode.FILE_ERROR, f"{path.name} is a symbolic link: capsule files must be plain "
+                                                     f"files in {path.parent}") from None
         raise FlashRTError(ErrorCode.FILE_ERROR, f"cannot read {path}: {err.strerror or err}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FlashRTError(ErrorCode.FILE_ERROR, f"{path.name} is not a plain file (a directory, FIFO, socket or "
+                                                 f"device): capsule files must be plain files in {path.parent}")
+    return os.fdopen(fd, "rb")
 
 
 def _read_exact(f, count: int, path: Path, what: str) -> bytes:
@@ -225,16 +260,16 @@ def _parse_header(header: bytes, path: Path, key: bytes | None) -> tuple[Capsule
         raise bad("fingerprint is not a hex string")
     if not isinstance(info, dict) or set(info) != set(INFO_FIELDS):
         raise bad(f"info needs exactly the fields {', '.join(INFO_FIELDS)}")
-    counts = [info["position"], info["nbytes"]]
-    if any(type(n) is not int or n < 0 for n in counts):
-        raise bad("position and nbytes must be non-negative integers")
+    for name, limit in (("position", MAX_POSITION), ("nbytes", MAX_NBYTES)):
+        if type(info[name]) is not int or not 0 <= info[name] <= limit:
+            raise bad(f"{name} must be an integer in [0, {limit}]")
     if not all(isinstance(info[name], str) for name in ("id", "parent", "label", "checksum")):
         raise bad("id, parent, label and checksum must be strings")
     if not _HEX.fullmatch(info["checksum"]):
         raise bad("checksum is not a hex string")
     created = info["created"]
-    if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
-        raise bad("created must be a non-negative unix time")
+    if type(created) not in (int, float) or not (math.isfinite(created) and 0 <= created <= MAX_CREATED_S):
+        raise bad(f"created must be a unix time in [0, {MAX_CREATED_S}] s")
     validate_capsule_id(info["id"])
     if info["parent"]:
         validate_capsule_id(info["parent"])

@@ -1,0 +1,121 @@
+"""Copies between the live arena and capsules, sharing what they can.
+
+:class:`LiveRows` records, per KV buffer, which blocks the live arena's rows [0, valid) equal (by block identity, so
+nothing is kept alive by it): a snapshot shares those rows instead of copying them, and a restore copies only rows
+where the live arena and the capsule are backed by different blocks. :class:`LiveCopier` does those copies.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..arena import Arena
+from .capsule import FIXED, Block, Layout, Segment
+from .store import CapsuleStore
+
+Plan = dict[str, tuple[tuple[Segment, ...], int]]    # per KV buffer: the shared segments, the row copying starts at
+
+
+class LiveRows:
+    """Per KV buffer: the blocks whose rows the live arena holds, as (block id, lo, hi), equal up to ``valid``."""
+
+    def __init__(self, names):
+        self._names = tuple(names)
+        self.clear()
+
+    def clear(self) -> None:
+        self._rows: dict[str, tuple[tuple[int, int, int], ...]] = {n: () for n in self._names}
+        self._valid = dict.fromkeys(self._names, 0)
+
+    def set(self, name: str, segments: tuple[Segment, ...], valid: int) -> None:
+        self._rows[name] = tuple((b.id, lo, hi) for b, lo, hi in segments)
+        self._valid[name] = valid
+
+    def truncate(self, position: int) -> None:
+        """Rows from ``position`` on are no longer known (rollback; new tokens are written there next)."""
+        for name in self._names:
+            self._valid[name] = min(self._valid[name], position)
+
+    def common(self, name: str, segments: tuple[Segment, ...]) -> int:
+        """How many leading rows of ``segments`` the live arena already holds (same blocks, same rows)."""
+        live, done, i, j = self._rows[name], 0, 0, 0
+        while i < len(live) and j < len(segments) and live[i][0] == segments[j][0].id:
+            done = min(live[i][2], segments[j][2])
+            i += live[i][2] == done
+            j += segments[j][2] == done
+        return min(done, self._valid[name])
+
+    def shareable(self, name: str, limit: int, blocks: dict[int, Block]) -> tuple[Segment, ...]:
+        """The live rows [0, q <= limit) still backed by stored blocks, as segments (q as large as possible)."""
+        limit = min(limit, self._valid[name])
+        out = []
+        for bid, lo, hi in self._rows[name]:
+            block = blocks.get(bid)
+            if block is None or lo >= limit:
+                break
+            out.append((block, lo, min(hi, limit)))
+        return tuple(out)
+
+
+class LiveCopier:
+    """Takes the live state as capsule rows (a snapshot) and writes capsule rows into it (a restore)."""
+
+    def __init__(self, arena: Arena, layout: Layout, store: CapsuleStore):
+        self.arena, self.layout, self.store = arena, layout, store
+        self.rows = LiveRows(layout.row_bytes)     # which stored blocks the live KV rows equal
+
+    def plan(self, position: int) -> Plan:
+        """Per KV buffer: the stored segments the live rows share, and the row from which they must be copied."""
+        plan = {}
+        for name in self.layout.row_bytes:
+            shared = self.rows.shareable(name, position, self.store.blocks)
+            plan[name] = (shared, shared[-1][2] if shared else 0)
+        return plan
+
+    def plan_bytes(self, plan: Plan, position: int) -> int:
+        """The bytes a capsule at ``position`` copies under ``plan`` (the fixed state and the unshared rows)."""
+        return self.layout.fixed_bytes + sum((position - start) * self.layout.row_bytes[name]
+                                             for name, (_, start) in plan.items())
+
+    def take(self, plan: Plan, position: int) -> dict[str, tuple[Segment, ...]]:
+        """The live state as segments: a copy of the fixed state, shared rows, and copies of the rows after them."""
+        fixed = torch.empty(self.layout.fixed_bytes, dtype=torch.uint8, device=self.arena.storage.device)
+        self.arena.read_live(0, fixed)
+        rows = {FIXED: ((Block(0, fixed.numel(), fixed), 0, 1),)}
+        for name, (shared, start) in plan.items():
+            spec, fresh = self.arena.specs[name], ()
+            if position > start:
+                data = self.arena.storage[spec.offset + start * spec.row_bytes:
+                                          spec.offset + position * spec.row_bytes].clone()
+                fresh = ((Block(start, spec.row_bytes, data), start, position),)
+            rows[name] = shared + fresh
+        return rows
+
+    def taken(self, rows: dict[str, tuple[Segment, ...]], position: int) -> None:
+        """The live KV rows now equal these stored segments (the capsule they were taken into is stored)."""
+        for name in self.layout.row_bytes:
+            self.rows.set(name, rows[name], position)
+
+    def load(self, rows: dict[str, tuple[Segment, ...]], position: int, kv_only: bool = False) -> int:
+        """Write a capsule's rows into the live arena: its fixed state, and only the KV rows the arena does not
+        already hold; returns the bytes written. ``kv_only``: only KV and the metadata."""
+        fixed = rows[FIXED][0][0]
+        self.arena.write_live(0, fixed.data, names=("meta",) if kv_only else None)
+        copied = self.arena.specs["meta"].nbytes if kv_only else fixed.nbytes
+        for name in ("kv",) if kv_only else self.layout.row_bytes:
+            segments = rows[name]
+            start = self.rows.common(name, segments)
+            self._write_rows(name, segments, start)
+            self.rows.set(name, segments, position)
+            copied += max(0, position - start) * self.layout.row_bytes[name]
+        self.rows.truncate(position)
+        return copied
+
+    def _write_rows(self, name: str, segments: tuple[Segment, ...], start: int) -> None:
+        """Copy the capsule rows from ``start`` on into the live KV buffer ``name``."""
+        spec = self.arena.specs[name]
+        for block, lo, hi in segments:
+            lo = max(lo, start)
+            if lo < hi:
+                src = block.data[(lo - block.start) * spec.row_bytes:(hi - block.start) * spec.row_bytes]
+                self.arena.storage[spec.offset + lo * spec.row_bytes:
+                                   spec.offset + hi * spec.row_bytes].copy_(src, non_blocking=True)
