@@ -248,7 +248,10 @@ class FlashRTNode(Node):
         if len(req.request_ids) != len(req.positions):
             return conv.refusal(resp, FlashRTError(ErrorCode.INVALID_ARGUMENT,
                                                    "request_ids and positions differ in length"))
-        self._worker.hold(zip(req.request_ids, req.positions))
+        try:
+            self._worker.hold(zip(req.request_ids, req.positions))
+        except FlashRTError as e:
+            return conv.refusal(resp, e)
         resp.success, resp.error_code = True, int(ErrorCode.OK)
         return resp
 
