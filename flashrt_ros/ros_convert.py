@@ -126,7 +126,9 @@ def response(resp, result, latency_ms: float):
 
 class SequenceGaps:
     """Counts messages lost between publisher and subscription, from the gaps in each publisher's
-    ``publication_sequence_number`` (rclpy MessageInfo)."""
+    ``publication_sequence_number`` (rclpy MessageInfo). Messages must be seen in the order they were taken
+    (one callback at a time). What a publisher sent before its first message that arrived is not counted:
+    it cannot be told apart from what it sent before the subscription was connected."""
 
     def __init__(self):
         self._last: dict = {}
