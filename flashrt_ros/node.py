@@ -271,6 +271,7 @@ class FlashRTNode(Node):
             except FlashRTError as e:
                 return conv.refusal(resp, e)
             return conv.response(resp, result, latency_ms)
+        handle.__name__ = handle.__qualname__ = f"~/{op.interface}"  # names it in an INTERNAL answer
         return handle
 
     def _hold(self, req, resp):

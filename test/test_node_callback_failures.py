@@ -46,7 +46,7 @@ def test_a_failing_service_callback_answers_internal_and_the_node_keeps_serving(
     fail_once(monkeypatch, node_module.conv, "session_kwargs")
     response = client.call(Snapshot, "snapshot", capsule_id="never")
     assert not response.success and response.error_code == ErrorCode.INTERNAL
-    assert "Injected: injected into session_kwargs" in response.message
+    assert response.message == "~/snapshot: Injected: injected into session_kwargs"
     still_serving(client)
     assert "injected into session_kwargs" in node._last_error  # also on /diagnostics as last_error
 
