@@ -34,14 +34,18 @@ def live(ros_context, tmp_path_factory):
         client = RosClient(ros_context, node.get_fully_qualified_name())
         for capsule_id in ("seed_a", "seed_b"):  # ids the fuzzing may hit on purpose
             assert client.call(Snapshot, "snapshot", capsule_id=capsule_id).success
-        yield node, client, folder
+        yield node, client, folder, client.action_client(Generate, "generate")
         client.close()
 
 
 def state(node, folder) -> tuple:
-    """What a refusal must leave unchanged: the live state, every stored capsule, every capsule file."""
-    engine = node.worker.submit(lambda s: (s.engine.live_checksum(), s.engine.position, sorted(
-        (c.id, c.checksum, c.tier, c.pinned) for c in s.engine.capsules()))).result(20)
+    """What a refusal must leave unchanged: the live state, every stored capsule, every capsule file. Background
+    spills of earlier (successful) requests are waited for first, so that only the request under test moves it."""
+    def read(session):
+        session.engine.tiers.drain()
+        return session.engine.live_checksum(), session.engine.position, sorted(
+            (c.id, c.checksum, c.tier, c.pinned) for c in session.engine.capsules())
+    engine = node.worker.submit(read).result(20)
     files = sorted((p.name, p.stat().st_size) for p in folder.iterdir())
     return engine, files
 
@@ -90,7 +94,7 @@ def assert_answered(response, before, after, what):
     assert after == before, f"{what} was refused ({response.message}) but changed the state"
 
 
-def fuzz_one(data, node, client, folder):
+def fuzz_one(data, node, client, folder, generate):
     ids = known_ids(node)
     before = state(node, folder)
     if data.draw(st.integers(0, 9), label="goal?") == 0:
@@ -100,7 +104,7 @@ def fuzz_one(data, node, client, folder):
         obs.max_new_tokens = data.draw(st.sampled_from([0, 1, 4]), label="max_new_tokens")  # bounded time
         obs.token_ids = data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=4), label="token_ids")
         obs.values = data.draw(st.lists(st.floats(width=32), max_size=4), label="values")
-        handle = client.send_goal(client.action_client(Generate, "generate"), goal, [])
+        handle = client.send_goal(generate, goal, [])
         if not handle.accepted:
             return
         response, what = client.result(handle).result, f"generate {goal}"
@@ -134,7 +138,7 @@ def test_soak_fuzzed_requests(live, data):
 
 
 def test_a_flood_of_refused_requests_at_1_khz_is_answered_in_full_and_changes_nothing(live):
-    node, client, folder = live
+    node, client, folder, _ = live
     before = state(node, folder)
     kinds = [(Restore, "restore", {"capsule_id": "no_such_capsule"}, ErrorCode.UNKNOWN_CAPSULE),
              (Snapshot, "snapshot", {"capsule_id": "../escape"}, ErrorCode.INVALID_CAPSULE_ID),
@@ -159,7 +163,7 @@ def test_a_flood_of_refused_requests_at_1_khz_is_answered_in_full_and_changes_no
 @given(request_ids=st.lists(st.integers(0, 2**64 - 1), max_size=20),
        positions=st.lists(st.integers(0, 2**32 - 1), max_size=20))
 def test_fuzzed_holds_are_taken_or_refused_clearly(live, request_ids, positions):
-    node, client, _ = live
+    node, client, _, _ = live
     # Holds on the next few request ids would pause this module's generations for the 30 s hold timeout, as
     # designed: keep them away from the ids the node is about to use.
     upcoming = node.worker.submit(lambda s: s.last_request_id).result(10)
@@ -177,7 +181,7 @@ def test_fuzzed_holds_are_taken_or_refused_clearly(live, request_ids, positions)
 
 
 def test_hold_abuse_is_bounded_and_does_not_slow_other_requests(live):
-    node, client, _ = live
+    node, client, _, generate = live
     far = 2**63
     room = MAX_HOLDS - node.worker.hold_count
     response = client.call(Hold, "hold", request_ids=[far] * (room + 1), positions=list(range(room + 1)))
@@ -189,6 +193,6 @@ def test_hold_abuse_is_bounded_and_does_not_slow_other_requests(live):
     assert not refused.success and refused.error_code == ErrorCode.BUDGET_EXCEEDED
     goal = Generate.Goal()
     goal.observation.token_ids, goal.observation.max_new_tokens = [1], 8
-    handle = client.send_goal(client.action_client(Generate, "generate"), goal, [])
+    handle = client.send_goal(generate, goal, [])
     result = client.result(handle).result  # holds on other requests do not stop this one
     assert result.success and len(result.token_ids) == 8
