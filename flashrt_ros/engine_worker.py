@@ -17,13 +17,19 @@ caller that timed out) is skipped, so a timed-out request never changes state la
 ``request_id`` at that stream position until one command has run there, and keeps every command that
 arrives earlier waiting for it, so a replayed operation runs at exactly its recorded token boundary.
 ``passive`` commands (diagnostics) neither wait for nor serve a hold. A hold is dropped once its request
-ends or passes the position, or after ``hold_timeout_s`` at it without a command (logged).
+ends or passes the position, or after ``hold_timeout_s`` of wall time at it without a command (logged), however
+often the thread wakes meanwhile. Holds on requests that have not started yet expire together once the thread
+has had nothing to do (no generation, no command but passive ones) for ``hold_timeout_s`` (a replay that stopped,
+or an id that never runs; logged).
+At most ``max_holds`` are kept: a :meth:`hold` past that is refused whole (``BUDGET_EXCEEDED``). Per decode step
+the thread looks only at the running request's own holds (a dict lookup and the smallest position).
 No ROS and no tensor code here.
 """
 import logging
 import threading
 import time
-from collections import Counter, deque
+from bisect import insort
+from collections import deque
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
@@ -33,16 +39,24 @@ from flashrt_ros.session import CANCELED, ERROR, Session
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
 HOLD_TIMEOUT_S = 30.0
+MAX_HOLDS = 10_000  # far more than a replay places (one per operation made mid-generation)
 
 
 class EngineWorker:
-    def __init__(self, session: Session, name: str = "flashrt-engine", hold_timeout_s: float = HOLD_TIMEOUT_S):
+    def __init__(self, session: Session, name: str = "flashrt-engine", hold_timeout_s: float = HOLD_TIMEOUT_S,
+                 max_holds: int = MAX_HOLDS):
         self._session = session
         self._cv = threading.Condition()
         self._commands: deque = deque()
         self._idle_commands: deque = deque()
-        self._holds: Counter = Counter()   # (request_id, position) -> commands still to run there
+        self._holds: dict[int, list[int]] = {}  # request_id -> sorted positions, one entry per command to run there
+        self._hold_count = 0
+        self._max_holds = max_holds
         self._hold_timeout_s = hold_timeout_s
+        self._held: tuple | None = None  # (request_id, position) the thread waits at, and since when (monotonic)
+        self._held_since = 0.0
+        self._idle_since: float | None = None  # since when the thread has had nothing but passive commands
+        self._holds_checked_at = 0  # Session.last_request_id when finished requests' holds were last dropped
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -60,10 +74,26 @@ class EngineWorker:
         return future
 
     def hold(self, points) -> None:
-        """Register holds: ``points`` is an iterable of ``(request_id, position)`` (see the module docstring)."""
+        """Register holds: ``points`` is an iterable of ``(request_id, position)`` (see the module docstring).
+        Raises FlashRTError(BUDGET_EXCEEDED), registering none, if they would exceed ``max_holds``."""
+        points = [(int(r), int(p)) for r, p in points]
         with self._cv:
-            self._holds.update((int(r), int(p)) for r, p in points)
+            if self._hold_count + len(points) > self._max_holds:
+                raise FlashRTError(ErrorCode.BUDGET_EXCEEDED,
+                                   f"{len(points)} more hold(s) would exceed the limit of {self._max_holds} "
+                                   f"({self._hold_count} held)")
+            for request_id, position in points:
+                insort(self._holds.setdefault(request_id, []), position)
+            self._hold_count += len(points)
+            self._idle_since = None
+            self._holds_checked_at = -1  # a hold on a request that has already ended is dropped at once
             self._cv.notify()
+
+    @property
+    def hold_count(self) -> int:
+        """Holds registered and not yet served, passed or expired."""
+        with self._cv:
+            return self._hold_count
 
     def cancel(self, request_id: int) -> "Future":
         """Stop generation ``request_id`` at the next boundary (finish reason ``canceled``; a 'cancel' event)."""
@@ -86,57 +116,108 @@ class EngineWorker:
         self._thread.join(timeout)
 
     # ---- the thread ------------------------------------------------------------------------------
+    def _unhold(self, request_id: int, count: int = 1) -> None:
+        """Drop the ``count`` smallest holds of ``request_id`` (with the lock)."""
+        positions = self._holds[request_id]
+        del positions[:count]
+        self._hold_count -= count
+        if not positions:
+            del self._holds[request_id]
+
+    def _drop_holds(self, request_ids, why: str) -> None:
+        request_ids = list(request_ids)
+        if request_ids:
+            _log.warning("holds on request(s) %s dropped: %s", ", ".join(map(str, request_ids[:10])) +
+                         (f" and {len(request_ids) - 10} more" if len(request_ids) > 10 else ""), why)
+        for request_id in request_ids:
+            self._unhold(request_id, len(self._holds[request_id]))
+
     def _hold_point(self):
-        """``(position, held)`` of the running generation's next hold, or None (called with the lock)."""
-        active = self._session.active
-        mine = sorted(p for (r, p), n in self._holds.items() if n > 0 and active is not None and r == active.request_id)
-        stale = [k for k in self._holds if k[0] <= self._session.last_request_id
-                 and (active is None or k[0] != active.request_id)]
-        for key in stale:
-            del self._holds[key]
-        if not mine:
+        """``(request_id, position, at_it)`` of the running generation's next hold, or None (with the lock).
+
+        Also drops holds that can never be served: those of requests that have ended (looked for once per new
+        request id) and those the stream has passed (e.g. by a longer ingest)."""
+        session, active = self._session, self._session.active
+        if session.last_request_id != self._holds_checked_at:
+            self._holds_checked_at = session.last_request_id
+            running = active.request_id if active is not None else None
+            self._drop_holds([r for r in self._holds if r <= session.last_request_id and r != running],
+                             "the request has ended")
+        positions = self._holds.get(active.request_id) if active is not None else None
+        if not positions:
             return None
         position = active.position
-        for p in mine:
-            if p < position:
-                del self._holds[(active.request_id, p)]  # passed (e.g. a longer ingest): nothing to hold there
-        ahead = [p for p in mine if p >= position]
-        return (ahead[0], ahead[0] == position) if ahead else None
+        passed = next((i for i, p in enumerate(positions) if p >= position), len(positions))
+        if passed:
+            self._unhold(active.request_id, passed)
+            if active.request_id not in self._holds:
+                return None
+        return active.request_id, positions[0], positions[0] == position
+
+    def _wait_at_hold(self, key) -> None:
+        """Wait at hold ``key`` for a command; drop the hold once it has waited ``hold_timeout_s`` in all."""
+        now = time.monotonic()
+        if self._held != key:  # passive commands served between two waits do not restart the clock
+            self._held, self._held_since = key, now
+        if now - self._held_since <= self._hold_timeout_s:
+            self._cv.wait(0.05)
+            return
+        _log.warning("hold %s dropped: no operation arrived within %.0f s", key, self._hold_timeout_s)
+        self._serve(key)
+
+    def _wait_idle(self) -> None:
+        """Sleep until something is submitted; drop every hold once idle for ``hold_timeout_s`` in all."""
+        if not self._holds:
+            self._cv.wait()
+            return
+        now = time.monotonic()
+        self._idle_since = self._idle_since or now
+        if now - self._idle_since <= self._hold_timeout_s:
+            self._cv.wait(self._hold_timeout_s)
+            return
+        self._drop_holds(self._holds, f"nothing ran for {self._hold_timeout_s:.0f} s (a request that never starts?)")
+
+    def _serve(self, key) -> None:
+        """One command ran at hold ``key`` (or it expired): remove one hold there (with the lock)."""
+        request_id, position = key
+        positions = self._holds[request_id]
+        positions.remove(position)
+        self._hold_count -= 1
+        if not positions:
+            del self._holds[request_id]
+        self._held = None
 
     def _next(self):
         """The next job: ``(fn, future, passive, hold_key)``, ``()`` to step the generation, None to stop."""
         with self._cv:
-            held_since = None
             while True:
                 point = self._hold_point() if self._holds else None
                 if point is None:
-                    held_since = None
                     if self._commands:
-                        return (*self._commands.popleft(), None)
+                        return self._busy(self._commands.popleft(), None)
                 else:
-                    key = (self._session.active.request_id, point[0])
                     passive = next((c for c in self._commands if c[2]), None)
                     if passive is not None:
                         self._commands.remove(passive)
                         return (*passive, None)
-                    if point[1]:  # at the boundary: the next command runs here; stepping waits for it
+                    if point[2]:  # at the boundary: the next command runs here; stepping waits for it
                         if self._commands:
-                            return (*self._commands.popleft(), key)
-                        held_since = held_since or time.monotonic()
-                        if time.monotonic() - held_since > self._hold_timeout_s:
-                            _log.warning("hold %s dropped: no operation arrived within %.0f s", key,
-                                         self._hold_timeout_s)
-                            del self._holds[key]
-                            continue
-                        self._cv.wait(0.05)
+                            return self._busy(self._commands.popleft(), point[:2])
+                        self._wait_at_hold(point[:2])
                         continue
                 if self._stopping:
                     return None
                 if self._session.active is not None:
+                    self._idle_since = None
                     return ()
                 if self._idle_commands:
-                    return (*self._idle_commands.popleft(), None)
-                self._cv.wait()
+                    return self._busy(self._idle_commands.popleft(), None)
+                self._wait_idle()
+
+    def _busy(self, command, hold_key):
+        if not command[2]:
+            self._idle_since = None
+        return (*command, hold_key)
 
     def _run(self) -> None:
         while (job := self._next()) is not None:
@@ -146,9 +227,7 @@ class EngineWorker:
                     continue
                 if hold_key is not None:
                     with self._cv:
-                        self._holds[hold_key] -= 1
-                        if self._holds[hold_key] <= 0:
-                            del self._holds[hold_key]
+                        self._serve(hold_key)
                 try:
                     future.set_result(fn(self._session))
                 except BaseException as e:  # noqa: BLE001 - the caller gets it through the future

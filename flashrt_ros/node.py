@@ -13,12 +13,20 @@ Lifecycle (rclpy.lifecycle, as in ros2/demos lifecycle_py):
 * ``on_cleanup`` / ``on_shutdown``: stop the engine thread and free the engine.
 
 Callbacks never touch the engine: they submit work to the engine thread and wait on its future
-(``request_timeout_s``) in a reentrant callback group, spun by a MultiThreadedExecutor.
+(``request_timeout_s``) in a reentrant callback group, spun by a MultiThreadedExecutor. ``~/observation`` has
+a group of its own (one callback at a time), so observations reach the engine in the order they arrived and
+the publisher's sequence numbers are seen in order (loss detection).
+
+Every callback the executor runs is wrapped by :meth:`FlashRTNode._guarded`: an exception (a bug) is logged,
+becomes ``last_error`` and is answered as ``INTERNAL`` with its reason (a service response, an aborted goal, a
+rejected goal or cancel, a refused parameter set, an observation counted as lost), and the node keeps serving.
 """
 import dataclasses
+import functools
 import queue
 import threading
 import time
+import traceback
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional
 
@@ -26,7 +34,7 @@ import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
-from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import Node, State, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
@@ -59,12 +67,13 @@ class FlashRTNode(Node):
     def __init__(self, node_name: str = "flashrt", **kwargs):
         super().__init__(node_name, **kwargs)
         declare_parameters(self)
-        self.add_on_set_parameters_callback(self._on_set_parameters)
+        self._last_error = ""
+        self.add_on_set_parameters_callback(self._guarded(self._on_set_parameters, _refuse_parameters))
         self._group = ReentrantCallbackGroup()
+        self._observation_group = MutuallyExclusiveCallbackGroup()
         self._settings: Optional[NodeSettings] = None
         self._worker: Optional[EngineWorker] = None
         self._active = False
-        self._last_error = ""
         self._goal_feedback: dict[int, queue.SimpleQueue] = {}  # request id -> chunks for its action goal
         self._goals_lock = threading.Lock()
         self._goals_in_flight = 0
@@ -80,12 +89,16 @@ class FlashRTNode(Node):
         self._diagnostics_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
 
         for op in services():
-            self.create_service(resolve_type(op.ros_type), f"~/{op.interface}", self._service(op),
+            self.create_service(resolve_type(op.ros_type), f"~/{op.interface}",
+                                self._guarded(self._service(op), _refuse_request),
                                 qos_profile=REQUEST_QOS, callback_group=self._group)
-        self.create_service(Hold, "~/hold", self._hold, qos_profile=REQUEST_QOS, callback_group=self._group)
+        self.create_service(Hold, "~/hold", self._guarded(self._hold, _refuse_request), qos_profile=REQUEST_QOS,
+                            callback_group=self._group)
         self._action_server = ActionServer(
-            self, Generate, "~/generate", execute_callback=self._execute_goal,
-            goal_callback=self._accept_goal, cancel_callback=lambda _: CancelResponse.ACCEPT,
+            self, Generate, "~/generate", execute_callback=self._guarded(self._execute_goal, _abort_goal),
+            goal_callback=self._guarded(self._accept_goal, lambda _error, _goal: GoalResponse.REJECT),
+            cancel_callback=self._guarded(lambda _: CancelResponse.ACCEPT,
+                                          lambda _error, _goal: CancelResponse.REJECT),
             goal_service_qos_profile=REQUEST_QOS, result_service_qos_profile=REQUEST_QOS,
             cancel_service_qos_profile=REQUEST_QOS, callback_group=self._group)
 
@@ -97,6 +110,24 @@ class FlashRTNode(Node):
     def worker(self) -> Optional[EngineWorker]:
         """The engine thread while configured (tools and tests submit work to it), else None."""
         return self._worker
+
+    def _guarded(self, callback, answer):
+        """``callback`` as the executor may run it: an exception is logged, kept as ``last_error`` and answered
+        by ``answer(error, *args)`` with an INTERNAL FlashRTError naming it, instead of stopping the executor.
+
+        The wrapper keeps ``callback``'s signature (functools.wraps): rclpy passes a subscription its
+        MessageInfo only when the callback takes two arguments."""
+        @functools.wraps(callback)
+        def guarded(*args):
+            try:
+                return callback(*args)
+            except Exception as e:  # noqa: BLE001 - a bug in one request must not stop the node
+                error = FlashRTError(ErrorCode.INTERNAL, f"{getattr(callback, '__name__', 'callback')}: "
+                                                         f"{type(e).__name__}: {e}")
+                self._last_error = error.message
+                self.get_logger().error(f"{error.message}\n{traceback.format_exc()}")
+                return answer(error, *args)
+        return guarded
 
     # ---- lifecycle --------------------------------------------------------------------------
     def on_configure(self, state: State) -> TransitionCallbackReturn:
@@ -112,9 +143,10 @@ class FlashRTNode(Node):
         self._settings = settings
         self._worker = EngineWorker(session)
         self._observation_sub = self.create_subscription(
-            Observation, "~/observation", self._on_observation, settings.observation_qos,
-            callback_group=self._group)
-        self._diagnostics_timer = self.create_timer(settings.diagnostics_period_s, self._publish_diagnostics)
+            Observation, "~/observation", self._guarded(self._on_observation, self._observation_failed),
+            settings.observation_qos, callback_group=self._observation_group)
+        self._diagnostics_timer = self.create_timer(settings.diagnostics_period_s,
+                                                    self._guarded(self._publish_diagnostics, lambda _error: None))
         self.get_logger().info(
             f"configured: model={settings.engine.model} device={settings.engine.device} "
             f"dtype={settings.engine.dtype} max_context={settings.engine.max_context}")
@@ -237,6 +269,7 @@ class FlashRTNode(Node):
             except FlashRTError as e:
                 return conv.refusal(resp, e)
             return conv.response(resp, result, latency_ms)
+        handle.__name__ = handle.__qualname__ = f"~/{op.interface}"  # names it in an INTERNAL answer
         return handle
 
     def _hold(self, req, resp):
@@ -246,30 +279,40 @@ class FlashRTNode(Node):
         if len(req.request_ids) != len(req.positions):
             return conv.refusal(resp, FlashRTError(ErrorCode.INVALID_ARGUMENT,
                                                    "request_ids and positions differ in length"))
-        self._worker.hold(zip(req.request_ids, req.positions))
+        try:
+            self._worker.hold(zip(req.request_ids, req.positions))
+        except FlashRTError as e:
+            return conv.refusal(resp, e)
         resp.success, resp.error_code = True, int(ErrorCode.OK)
         return resp
 
     # ---- observations -------------------------------------------------------------------------
-    def _on_observation(self, msg: Observation, info=None) -> None:
+    def _on_observation(self, msg: Observation, info) -> None:
+        """``info`` (MessageInfo) has no default: with one, rclpy would pass the message alone and the
+        sequence gaps would never be seen."""
         lost = self._loss.seen(info)
+        if lost:
+            self._report_loss(lost, "dropped before reaching the node: raise qos.observation.depth")
         worker = self._worker
         if worker is None:  # no engine, so no session to refuse it with an event
-            self.get_logger().warning("observation dropped: node is not configured", throttle_duration_sec=5.0)
+            self._report_loss(1, "dropped: the node is not configured")
             return
-        if lost:
-            self._report_loss(worker, lost)
         obs = conv.observation_in(msg)
         future = worker.submit(lambda s: s.observe(obs), when_idle=obs.priority != PRIORITY_URGENT)
         future.add_done_callback(self._log_refusal)
 
-    def _report_loss(self, worker, lost: int) -> None:
-        """Observations that DDS dropped before this one (a gap in the publisher's sequence numbers):
-        counted for /diagnostics, logged, and recorded as an 'observation_lost' event."""
+    def _observation_failed(self, error: FlashRTError, _msg, _info) -> None:
+        self._report_loss(1, f"not handed to the engine: {error.message}")
+
+    def _report_loss(self, lost: int, why: str) -> None:
+        """Observations that never reached the engine: counted (``observations_lost`` on /diagnostics),
+        logged, and recorded as an 'observation_lost' event (while there is an engine)."""
         self._observations_lost += lost
-        self.get_logger().warning(f"{lost} observation(s) lost before reaching the node "
-                                  f"({self._observations_lost} in total): raise qos.observation.depth")
-        worker.submit(lambda s: s.observation_lost(lost))
+        self.get_logger().warning(f"{lost} observation(s) lost ({self._observations_lost} in total): {why}",
+                                  throttle_duration_sec=1.0)  # the total says how many lines a flood skipped
+        worker = self._worker
+        if worker is not None:
+            worker.submit(lambda s: s.observation_lost(lost))
 
     def _log_refusal(self, future) -> None:
         if not future.cancelled() and future.exception() is not None:
@@ -375,8 +418,22 @@ class FlashRTNode(Node):
 def _abort(goal_handle, result, error: FlashRTError):
     conv.refusal(result, error)
     result.finish_reason = "error"
-    goal_handle.abort()
+    if goal_handle.is_active:  # a goal that already ended (a failure after its end) keeps its state
+        goal_handle.abort()
     return result
+
+
+# What a failed callback answers (see FlashRTNode._guarded)
+def _refuse_request(error: FlashRTError, _request, response):
+    return conv.refusal(response, error)
+
+
+def _abort_goal(error: FlashRTError, goal_handle):
+    return _abort(goal_handle, Generate.Result(), error)
+
+
+def _refuse_parameters(error: FlashRTError, _parameters) -> SetParametersResult:
+    return SetParametersResult(successful=False, reason=error.message)
 
 
 def main(args=None) -> None:

@@ -1,5 +1,6 @@
-"""Messages <-> Session dataclasses. Pure field copying; no behaviour lives here."""
+"""Messages <-> Session dataclasses: field copying, and times saturated to what a Time message can carry."""
 import dataclasses
+import math
 
 from builtin_interfaces.msg import Time
 
@@ -8,12 +9,31 @@ from flashrt_ros.operations import Operation
 from flashrt_ros.session import ActionOutput, EventOutput, ObservationInput, TokenOutput
 
 
+_NS_PER_S = 1_000_000_000
+# builtin_interfaces/Time holds ``int32 sec`` and ``uint32 nanosec``: 1901-12-13T20:45:52Z to 2038-01-19T03:14:07.999999999Z.
+TIME_MIN_NS = -(2**31) * _NS_PER_S
+TIME_MAX_NS = (2**31 - 1) * _NS_PER_S + _NS_PER_S - 1
+
+
 def time_to_ns(stamp: Time) -> int:
-    return stamp.sec * 1_000_000_000 + stamp.nanosec
+    return stamp.sec * _NS_PER_S + stamp.nanosec
 
 
 def ns_to_time(ns: int) -> Time:
-    return Time(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+    """Nanoseconds since the epoch as a Time message, saturated at the range the message can carry: an
+    instant after 2038-01-19 reads as :data:`TIME_MAX_NS` (before 1901, :data:`TIME_MIN_NS`), never as a
+    ``sec`` that wraps to a negative number on the wire."""
+    ns = min(max(int(ns), TIME_MIN_NS), TIME_MAX_NS)
+    return Time(sec=ns // _NS_PER_S, nanosec=ns % _NS_PER_S)
+
+
+def seconds_to_time(seconds: float) -> Time:
+    """A unix time in float seconds (e.g. a capsule's ``created``, which a file may set to anything) as a Time
+    message: saturated as :func:`ns_to_time` does (so +-inf and 1e308 give the bounds); NaN, no time at all, is 0."""
+    if math.isnan(seconds):
+        return Time()
+    bounded = min(max(float(seconds), TIME_MIN_NS / _NS_PER_S), TIME_MAX_NS / _NS_PER_S)
+    return ns_to_time(int(bounded * _NS_PER_S))
 
 
 def observation_in(msg: Observation) -> ObservationInput:
@@ -36,9 +56,8 @@ def plain(value):
 
 
 def capsule_msg(info) -> CapsuleInfo:
-    created_ns = int(info.created * 1e9)
     return CapsuleInfo(id=info.id, parent=info.parent, label=info.label, position=info.position,
-                       bytes=info.nbytes, tier=info.tier, checksum=info.checksum, created=ns_to_time(created_ns),
+                       bytes=info.nbytes, tier=info.tier, checksum=info.checksum, created=seconds_to_time(info.created),
                        own_bytes=info.own_bytes, shared_bytes=info.shared_bytes, pinned=info.pinned)
 
 
@@ -107,7 +126,9 @@ def response(resp, result, latency_ms: float):
 
 class SequenceGaps:
     """Counts messages lost between publisher and subscription, from the gaps in each publisher's
-    ``publication_sequence_number`` (rclpy MessageInfo)."""
+    ``publication_sequence_number`` (rclpy MessageInfo). Messages must be seen in the order they were taken
+    (one callback at a time). What a publisher sent before its first message that arrived is not counted:
+    it cannot be told apart from what it sent before the subscription was connected."""
 
     def __init__(self):
         self._last: dict = {}

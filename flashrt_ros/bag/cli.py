@@ -9,8 +9,8 @@ Exit codes of ``replay``: 0 every output identical, 1 diverged (the report names
 divergent message per topic), 2 bad input (missing/corrupt bag, unusable bag, other model refused,
 node unreachable, interrupted). ``record`` exits 0 after a clean stop (Ctrl-C once
 recording, or ``--duration``) that recorded at least one message, and ``adopt`` after writing the
-bag; both exit 2 otherwise, e.g. when the node publishes no engine fingerprint on ``/diagnostics``
-within ``--timeout`` (it is not configured) or nothing was recorded (the bag is kept, empty).
+bag; both exit 2 otherwise, e.g. when the node is unconfigured (asked at once) or publishes no engine
+fingerprint on ``/diagnostics`` within ``--timeout``, or nothing was recorded (the bag is kept, empty).
 The bag tools never load the model to learn the fingerprint: the node reports it.
 
 DDS stays on loopback unless the caller's environment says otherwise

@@ -14,6 +14,8 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 
 from diagnostic_msgs.msg import DiagnosticArray
+from lifecycle_msgs.msg import State
+from lifecycle_msgs.srv import GetState
 from rclpy.node import Node
 from rclpy.parameter import parameter_value_to_python
 from rclpy.parameter_client import AsyncParameterClient
@@ -38,8 +40,8 @@ def fetch_header(node: Node, target: str, timeout: float = 30.0) -> BagHeader:
     """The header for a recording of ``target``: its parameters and its engine's fingerprint.
 
     ``node`` must be spinning in another thread (the requests and diagnostics arrive there).
-    BagError if the node does not answer, or publishes no diagnostics within ``timeout`` seconds
-    (it is not configured: no engine, no fingerprint).
+    BagError if the node does not answer within ``timeout`` seconds, is unconfigured (asked, not waited
+    for: it has no engine, so no fingerprint), or publishes no diagnostics within ``timeout`` seconds.
     """
     fingerprint = _FingerprintListener(node, target)
     try:
@@ -49,10 +51,25 @@ def fetch_header(node: Node, target: str, timeout: float = 30.0) -> BagHeader:
         names = _wait(client.list_parameters(), timeout, target).result.names
         values = _wait(client.get_parameters(names), timeout, target).values
         parameters = {n: parameter_value_to_python(v) for n, v in zip(names, values)}
+        _check_configured(node, target, timeout)
         return BagHeader(node=target, fingerprint=fingerprint.wait(timeout), parameters=parameters,
                          package_version=package_version())
     finally:
         fingerprint.close()
+
+
+def _check_configured(node: Node, target: str, timeout: float) -> None:
+    """BagError at once if ``target`` says it is unconfigured or finalized (its lifecycle ``get_state``)."""
+    client = node.create_client(GetState, f"{target.rstrip('/')}/get_state")
+    try:
+        if not client.wait_for_service(timeout_sec=timeout):
+            return  # not a lifecycle node: the fingerprint wait decides
+        state = _wait(client.call_async(GetState.Request()), timeout, target).current_state
+    finally:
+        node.destroy_client(client)
+    if state.id in (State.PRIMARY_STATE_UNCONFIGURED, State.PRIMARY_STATE_FINALIZED):
+        raise BagError(f"node {target} is {state.label}: it has no engine, hence no fingerprint to record; "
+                       f"configure it first (ros2 lifecycle set {target} configure)")
 
 
 def _wait(future, timeout: float, target: str):
