@@ -8,7 +8,7 @@ import yaml
 
 from flashrt_ros.params import PARAMETERS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OBSERVATION_QOS = [name for name, *_ in PARAMETERS if name.startswith("qos.observation.")]
 
 
