@@ -100,7 +100,8 @@ class EngineWorker:
         return self.submit(lambda s: s.cancel(request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Refuse what still waits, stop a running generation, and join the thread."""
+        """Refuse what still waits, stop a running generation, join the thread, then close the engine (its pending
+        spill files completed, dropped capsules' files gone), which no other thread touches once this one ended."""
         with self._cv:
             if self._stopping:
                 return
@@ -114,6 +115,11 @@ class EngineWorker:
             if future.set_running_or_notify_cancel():
                 future.set_exception(FlashRTError(ErrorCode.NOT_ACTIVE, "engine worker shut down"))
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            _log.error("the engine thread did not stop within %.0f s; the engine's capsule tiers were not closed "
+                       "(a pending spill file may be incomplete)", timeout)
+        else:
+            self._session.engine.close()
 
     # ---- the thread ------------------------------------------------------------------------------
     def _unhold(self, request_id: int, count: int = 1) -> None:

@@ -75,3 +75,17 @@ def test_holds_past_the_limit_are_refused_whole(worker):
     assert worker.hold_count == 60  # none of the refused call's holds was kept
     worker.hold((10**9 + 1, p) for p in range(40))
     assert worker.hold_count == 100
+
+
+def test_shutdown_closes_the_engine_once_its_thread_has_ended(engine, monkeypatch):
+    """The node lets the engine go through EngineWorker.shutdown (cleanup, shutdown, destroy): the tiers must be closed
+    there, so a spill file being written completes and a dropped capsule's file never comes back after a restart."""
+    closed = []
+    monkeypatch.setattr(engine, "close", lambda: closed.append(threading.current_thread().name))
+    session = Session(engine, discretiser=Discretiser(bins=255, token_offset=257), emit=lambda _: None)
+    worker = EngineWorker(session)
+    worker.submit(lambda s: s.engine.ingest([1, 2, 3])).result(timeout=30)
+    assert closed == []
+    worker.shutdown()
+    worker.shutdown()
+    assert closed == [threading.current_thread().name]
