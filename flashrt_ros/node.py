@@ -25,7 +25,7 @@ import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
-from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import Node, State, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
@@ -34,6 +34,7 @@ from flashrt_ros import ros_convert as conv
 from flashrt_ros.action import Generate
 from flashrt_ros.engine_worker import EngineWorker
 from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
+from flashrt_ros.observation_queue import ObservationIngest, ObservationQueue
 from flashrt_ros.operations import OPERATIONS, Operation, resolve_type, services
 from flashrt_ros.params import NodeSettings, check_update, declare_parameters, read_settings
 from flashrt_ros.runtime import Engine, ErrorCode, FlashRTError
@@ -71,6 +72,7 @@ class FlashRTNode(Node):
         self._goals_lock = threading.Lock()
         self._goals_in_flight = 0
         self._observation_sub = None
+        self._ingest: Optional[ObservationIngest] = None
         self._diagnostics_timer = None
 
         # ~/tokens and ~/events publish in every configured state, so that refusals while inactive are answered
@@ -113,9 +115,13 @@ class FlashRTNode(Node):
             return TransitionCallbackReturn.FAILURE
         self._settings = settings
         self._worker = EngineWorker(session)
+        self._ingest = ObservationIngest(self._worker, ObservationQueue(**settings.observation_queue),
+                                         warn=self.get_logger().warning)
+        # its own mutually exclusive group: observations are taken one at a time, in arrival order, and a
+        # callback blocked by observation_queue.overload=block holds one executor thread, not all of them
         self._observation_sub = self.create_subscription(
             Observation, "~/observation", self._on_observation, settings.observation_qos,
-            callback_group=self._group)
+            callback_group=MutuallyExclusiveCallbackGroup())
         self._diagnostics_timer = self.create_timer(settings.diagnostics_period_s, self._publish_diagnostics)
         self.get_logger().info(
             f"configured: model={settings.engine.model} device={settings.engine.device} "
@@ -161,6 +167,9 @@ class FlashRTNode(Node):
 
     def _teardown(self) -> None:
         """Stop the engine thread and drop the engine (its memory goes with the last reference)."""
+        if self._ingest is not None:  # first: wakes a callback blocked by overload=block
+            self._ingest.close()
+            self._ingest = None
         if self._observation_sub is not None:
             self.destroy_subscription(self._observation_sub)
             self._observation_sub = None
@@ -255,15 +264,15 @@ class FlashRTNode(Node):
     # ---- observations -------------------------------------------------------------------------
     def _on_observation(self, msg: Observation, info=None) -> None:
         lost = self._loss.seen(info)
-        worker = self._worker
-        if worker is None:  # no engine, so no session to refuse it with an event
+        worker, ingest = self._worker, self._ingest
+        if worker is None or ingest is None:  # no engine, so no session to refuse it with an event
             self.get_logger().warning("observation dropped: node is not configured", throttle_duration_sec=5.0)
             return
         if lost:
             self._report_loss(worker, lost)
-        obs = conv.observation_in(msg)
-        future = worker.submit(lambda s: s.observe(obs), when_idle=obs.priority != PRIORITY_URGENT)
-        future.add_done_callback(self._log_refusal)
+        future = ingest.offer(conv.observation_in(msg))  # queued; coalesced at the next step boundary
+        if future is not None:
+            future.add_done_callback(self._log_refusal)
 
     def _report_loss(self, worker, lost: int) -> None:
         """Observations that DDS dropped before this one (a gap in the publisher's sequence numbers):
@@ -364,6 +373,8 @@ class FlashRTNode(Node):
             return
         values = {**future.result(), "active": self._active, "last_error": self._last_error,
                   "observations_lost": self._observations_lost}
+        if self._ingest is not None:
+            values.update(self._ingest.queue.stats())
         status = DiagnosticStatus(
             level=DiagnosticStatus.OK if self._active else DiagnosticStatus.WARN,
             name=diagnostics_name(self.get_fully_qualified_name()), hardware_id=self._settings.engine.device,
