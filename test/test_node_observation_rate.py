@@ -158,3 +158,13 @@ def test_past_the_byte_budget_every_observation_is_accounted_for(ros_context, tm
     assert sorted(applied + [e.observation.header.stamp.nanosec for e in dropped]) == list(range(1, 301))
     assert applied == sorted(applied)
     assert results["diagnostics"]["observations_dropped"] == str(len(dropped))
+
+
+def test_block_drops_nothing_past_the_budget_it_holds_them_back_in_dds(ros_context, tmp_path):
+    texts = [f"{i:04d};" for i in range(300)]
+    events, bag, results = run_live(ros_context, tmp_path, "/t_obs_block", texts, 1000.0,
+                                    {"observation_queue.max_bytes": 20, "observation_queue.overload": "block"})
+    assert [e.observation.text for e in events if e.op == "observe"] == texts
+    assert not [e for e in events if e.op == "observation_dropped"]
+    assert results["diagnostics"]["observations_dropped"] == "0"
+    assert int(results["diagnostics"]["observation_queue_peak_bytes"]) <= 20
