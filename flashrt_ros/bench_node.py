@@ -10,9 +10,10 @@ Measures, over loopback DDS:
 * bursts: 500 observations published at full speed, 100 concurrent service calls and 30 concurrent
   ``~/generate`` goals, each as answered / sent and the p50/p99 time to its answer;
 * observations at sensor rate (``--rates``): at each rate, short ingest-only observations for
-  ``--rate-seconds``, every ``--probe-every``-th one a probe that generates one token (normal, then in a
+  ``--rate-seconds``, ``--probe-hz`` of them per second probes that generate one token (normal, then in a
   second run urgent): the sustained observations/s the node applied, publish -> 'observe' event
-  latency of every observation, and publish -> first token latency of the probes.
+  latency of every observation, publish -> first token latency of the probes, and (urgent runs) the
+  longest an urgent probe waited in the node for the engine (``urgent_wait_ms_max`` on /diagnostics).
 
 Prints a markdown table and writes the raw figures as JSON (``--out``)::
 
@@ -195,14 +196,18 @@ def burst_goals(client, count: int = 30, timeout: float = 120.0):
                       {"rejected": len(rejected)})
 
 
-def observation_rate(client, rate_hz: float, seconds: float, probe_every: int, urgent: bool,
+def observation_rate(client, rate_hz: float, seconds: float, probe_hz: float, urgent: bool,
                      timeout: float = 120.0) -> dict:
-    """Publish ``rate_hz * seconds`` short observations at ``rate_hz`` (every ``probe_every``-th generates one
-    token, urgent or normal) into a reset node; the figures of :func:`observation_rates`."""
+    """Publish ``rate_hz * seconds`` short observations at ``rate_hz`` into a reset node, ``probe_hz`` of them
+    per second probes that generate one token (urgent or normal); the figures of :func:`observation_rates`."""
+    from diagnostic_msgs.msg import DiagnosticArray
+
     from flashrt_ros.msg import Observation, StateEvent
 
     _check(client.reset(), "reset")
-    applied, dropped = {}, []
+    applied, dropped, waits = {}, [], []
+    diagnostics = client.node.create_subscription(DiagnosticArray, "/diagnostics", lambda m: waits.extend(
+        float(kv.value) for s in m.status for kv in s.values if kv.key == "urgent_wait_ms_max"), 10)
 
     def on_event(e):
         stamp = e.observation.header.stamp.sec * 1_000_000_000 + e.observation.header.stamp.nanosec
@@ -215,6 +220,7 @@ def observation_rate(client, rate_hz: float, seconds: float, probe_every: int, u
     sent_at, probes = {}, []
     priority = Observation.PRIORITY_URGENT if urgent else Observation.PRIORITY_NORMAL
     start = time.perf_counter()
+    probe_every = max(1, round(rate_hz / probe_hz))
     for i in range(count):
         probe = (i + 1) % probe_every == 0
         msg = client.observation(f"j{i % 100};", max_new_tokens=1 if probe else 0,
@@ -230,6 +236,9 @@ def observation_rate(client, rate_hz: float, seconds: float, probe_every: int, u
     _wait_all(count, lambda: len(applied) + len(dropped), timeout)
     _wait_all(len(probes), lambda: len(client.finished_streams(probes)), timeout)
     client.node.destroy_subscription(sub)
+    seen = len(waits)
+    _wait_all(seen + 1, lambda: len(waits), 10.0)  # the diagnostics message that covers the run's end
+    client.node.destroy_subscription(diagnostics)
     streams = client.finished_streams(probes)
     last = max((t for t, _ in applied.values()), default=start)
     ingest = [(applied[s][0] - sent_at[s]) * 1e3 for s in sent_at if s in applied]
@@ -239,22 +248,24 @@ def observation_rate(client, rate_hz: float, seconds: float, probe_every: int, u
             "sustained_per_s": len(applied) / (last - start) if applied else 0.0,
             "groups": sum(1 for _, n in applied.values() if n == 0),
             "ingest": percentiles(ingest) if ingest else None,
-            "first_token": percentiles(first) if first else None}
+            "first_token": percentiles(first) if first else None,
+            "urgent_wait_ms_max": max(waits, default=0.0)}
 
 
-def observation_rates(client, rates, seconds: float, probe_every: int) -> list[dict]:
+def observation_rates(client, rates, seconds: float, probe_hz: float) -> list[dict]:
     """Each rate twice: probes of normal priority, then urgent ones."""
-    return [observation_rate(client, rate, seconds, probe_every, urgent) for rate in rates for urgent in (False, True)]
+    return [observation_rate(client, rate, seconds, probe_hz, urgent) for rate in rates for urgent in (False, True)]
 
 
 def rates_markdown(rows) -> str:
     lines = ["| rate (Hz) | probe | published | applied | sustained (obs/s) | prefills | observe p50 / p99 (ms) | "
-             "probe first token p50 / p99 (ms) |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "probe first token p50 / p99 (ms) | urgent wait max (ms) |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ing, ft = r["ingest"], r["first_token"]
+        wait = f"{r['urgent_wait_ms_max']:.1f}" if r["probe"] == "urgent" else ""
         lines.append(f"| {r['rate_hz']:g} | {r['probe']} | {r['published']} | {r['applied']} | "
                      f"{r['sustained_per_s']:.0f} | {r['groups']} | {ing['p50_ms']:.1f} / {ing['p99_ms']:.1f} | "
-                     f"{ft['p50_ms']:.1f} / {ft['p99_ms']:.1f} |")
+                     f"{ft['p50_ms']:.1f} / {ft['p99_ms']:.1f} | {wait} |")
     return "\n".join(lines)
 
 
@@ -292,7 +303,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rates", type=float, nargs="*", default=[],
                         help="observation rates (Hz) to run the sensor-rate measurement at (none: skip it)")
     parser.add_argument("--rate-seconds", type=float, default=2.0)
-    parser.add_argument("--probe-every", type=int, default=20)
+    parser.add_argument("--probe-hz", type=float, default=10.0, help="probes (one generated token) per second")
     parser.add_argument("--rates-only", action="store_true", help="run only the sensor-rate measurement")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -310,7 +321,7 @@ def main(argv=None) -> int:
             _check(client.reset(), "reset")
             bursts = [burst_observations(client, args.burst_observations), burst_services(client, args.burst_calls),
                       burst_goals(client, args.burst_goals)]
-        rates = observation_rates(client, args.rates, args.rate_seconds, args.probe_every)
+        rates = observation_rates(client, args.rates, args.rate_seconds, args.probe_hz)
     for table, render in ((rows, markdown), (bursts, burst_markdown), (rates, rates_markdown)):
         if table:
             print(render(table))

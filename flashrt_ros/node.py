@@ -374,7 +374,7 @@ class FlashRTNode(Node):
         values = {**future.result(), "active": self._active, "last_error": self._last_error,
                   "observations_lost": self._observations_lost}
         if self._ingest is not None:
-            values.update(self._ingest.queue.stats())
+            values.update(self._ingest.stats())
         status = DiagnosticStatus(
             level=DiagnosticStatus.OK if self._active else DiagnosticStatus.WARN,
             name=diagnostics_name(self.get_fully_qualified_name()), hardware_id=self._settings.engine.device,

@@ -33,6 +33,7 @@ Until ``max_bytes`` is reached nothing is dropped, whichever the policy. An obse
 ``max_bytes`` alone is refused under every policy. No ROS and no tensor code here.
 """
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -172,6 +173,14 @@ class ObservationIngest:
         self._worker = worker
         self.queue = queue
         self._warn = warn
+        self._urgent_wait_ms = 0.0  # the longest an urgent group waited for the engine since the last stats()
+
+    def stats(self) -> dict:
+        """The queue's figures and ``urgent_wait_ms_max``: the longest an urgent observation waited from its
+        arrival to the start of its prefill, since the previous call (one step at most, plus the engine
+        thread's own scheduling)."""
+        wait, self._urgent_wait_ms = self._urgent_wait_ms, 0.0
+        return {**self.queue.stats(), "urgent_wait_ms_max": round(wait, 3)}
 
     def offer(self, obs: ObservationInput) -> Optional[Future]:
         """Queue ``obs`` and submit its drain job; returns the job's future (it fails with the refusal of a
@@ -180,16 +189,20 @@ class ObservationIngest:
         self._record(dropped)
         if any(d.observation is obs for d in dropped):
             return None
-        urgent = obs.priority == PRIORITY_URGENT
-        return self._worker.submit(lambda s: self._drain(s, urgent), when_idle=not urgent)
+        urgent, arrived = obs.priority == PRIORITY_URGENT, time.perf_counter()
+        return self._worker.submit(lambda s: self._drain(s, urgent, arrived), when_idle=not urgent)
 
     def close(self) -> None:
         """Refuse what still waits (each an event, if the engine thread still runs)."""
         self._record(self.queue.close())
 
-    def _drain(self, session, urgent: bool) -> None:
+    def _drain(self, session, urgent: bool, arrived: float) -> None:
+        """Ingest the lane's next group. Drain jobs run in submission order, so the first one to find the group
+        is that of its oldest observation: ``arrived`` is when the group's first observation arrived."""
         group = self.queue.take(urgent)
         if group:
+            if urgent:
+                self._urgent_wait_ms = max(self._urgent_wait_ms, (time.perf_counter() - arrived) * 1e3)
             session.observe_group(group)
 
     def _record(self, dropped: list[Dropped]) -> None:
