@@ -259,7 +259,8 @@ def observation_rates(client, rates, seconds: float, probe_hz: float) -> list[di
 
 def rates_markdown(rows) -> str:
     lines = ["| rate (Hz) | probe | published | applied | sustained (obs/s) | prefills | observe p50 / p99 (ms) | "
-             "probe first token p50 / p99 (ms) | urgent wait max (ms) |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "probe first token p50 / p99 (ms) | urgent wait max (ms) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ing, ft = r["ingest"], r["first_token"]
         wait = f"{r['urgent_wait_ms_max']:.1f}" if r["probe"] == "urgent" else ""
@@ -319,8 +320,8 @@ def main(argv=None) -> int:
             rows = [row for context in args.contexts for row in service_latency(client, context, args.calls)]
             rows += first_token_latency(client, args.trials, args.long_tokens)
             _check(client.reset(), "reset")
-            bursts = [burst_observations(client, args.burst_observations), burst_services(client, args.burst_calls),
-                      burst_goals(client, args.burst_goals)]
+            bursts = [burst_observations(client, args.burst_observations),
+                      burst_services(client, args.burst_calls), burst_goals(client, args.burst_goals)]
         rates = observation_rates(client, args.rates, args.rate_seconds, args.probe_hz)
     for table, render in ((rows, markdown), (bursts, burst_markdown), (rates, rates_markdown)):
         if table:

@@ -424,14 +424,15 @@ class Session:
             checked.append((ids, params, None))
             pending += len(ids)
         tokens = [t for ids, _, error in checked if error is None for t in ids]
+        if any(error is None for _, _, error in checked) and self._active is not None:
+            self._active.stop(PREEMPTED)  # as one accepted observation alone would
         if tokens:
-            if self._active is not None:
-                self._active.stop(PREEMPTED)
             try:
                 self.engine.ingest(tokens)
             except Exception as e:  # noqa: BLE001 - nothing was committed: every accepted one fails with the reason
-                error = e if isinstance(e, FlashRTError) else FlashRTError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
-                checked = [(None, None, err or error) for _, _, err in checked]
+                failed = e if isinstance(e, FlashRTError) else FlashRTError(ErrorCode.INTERNAL,
+                                                                            f"{type(e).__name__}: {e}")
+                checked = [(None, None, err or failed) for _, _, err in checked]
         position, last = before, observations[-1]
         for index, (obs, (ids, params, error)) in enumerate(zip(observations, checked)):
             generating = obs.max_new_tokens > 0
