@@ -306,6 +306,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rate-seconds", type=float, default=2.0)
     parser.add_argument("--probe-hz", type=float, default=10.0, help="probes (one generated token) per second")
     parser.add_argument("--rates-only", action="store_true", help="run only the sensor-rate measurement")
+    parser.add_argument("--node-param", action="append", default=[], metavar="NAME=VALUE",
+                        help="a further node parameter, e.g. observation_queue.max_group_bytes=256")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     max_context = max(max(args.contexts) + args.long_tokens, 2 * args.burst_observations + 4 * args.burst_goals,
@@ -315,7 +317,7 @@ def main(argv=None) -> int:
     log_path = Path(tempfile.mkdtemp(prefix="flashrt_bench_")) / "node.log"
     rows, bursts = [], []
     with local_node(log_path, 300.0, model=args.model, device=args.device, max_context=max_context,
-                    autostart=True, stream_chunk_tokens=1) as (client, _):
+                    autostart=True, stream_chunk_tokens=1, **dict(p.split("=", 1) for p in args.node_param)) as (client, _):
         if not args.rates_only:
             rows = [row for context in args.contexts for row in service_latency(client, context, args.calls)]
             rows += first_token_latency(client, args.trials, args.long_tokens)
@@ -328,7 +330,7 @@ def main(argv=None) -> int:
             print(render(table))
             print()
     if args.out:
-        meta = {"model": args.model, "device": args.device, "max_context": max_context,
+        meta = {"model": args.model, "device": args.device, "max_context": max_context, "node_params": args.node_param,
                 "machine": platform.platform(), "python": platform.python_version(),
                 "command": " ".join(["python -m flashrt_ros.bench_node", *(argv or sys.argv[1:])])}
         args.out.write_text(json.dumps({"meta": meta, "results": rows, "bursts": bursts,

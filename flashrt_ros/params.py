@@ -76,7 +76,7 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
     ("observation_queue.overload", "drop_oldest", "past max_bytes: drop_oldest or refuse_new (each one an "
      "observation_dropped event, counted in /diagnostics) or block (drop nothing: stop taking from DDS)", None,
      OVERLOAD_POLICIES),
-    ("observation_queue.max_group_bytes", 1024, "queued observations appended as one prefill, at most (at least "
+    ("observation_queue.max_group_bytes", 256, "queued observations appended as one prefill, at most (at least "
      "one): bounds how long an urgent observation waits for a prefill already running", (1, 1 << 30), None),
 ]
 
