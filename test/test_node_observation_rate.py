@@ -168,3 +168,31 @@ def test_block_drops_nothing_past_the_budget_it_holds_them_back_in_dds(ros_conte
     assert not [e for e in events if e.op == "observation_dropped"]
     assert results["diagnostics"]["observations_dropped"] == "0"
     assert int(results["diagnostics"]["observation_queue_peak_bytes"]) <= 20
+
+
+def test_an_urgent_observation_is_not_queued_behind_normal_ones(ros_context):
+    """Normal observations wait while a generation runs; an urgent one published after them runs at the next
+    token boundary, ahead of them, preempting the generation; the normal ones then follow as one prefill."""
+    with running_node(ros_context, "/t_obs_urgent", **PARAMS) as node:
+        client = RosClient(ros_context, node.get_fully_qualified_name())
+        try:
+            events = client.subscribe(StateEvent, "events", EVENTS)
+            publisher = client.publisher(Observation, "observation", KEEP_ALL)
+            wait_for(lambda: publisher.get_subscription_count() >= 1, 20.0, "the node on ~/observation")
+            publisher.publish(Observation(text="Describe the room.", max_new_tokens=400))
+            wait_for(lambda: any(e.op == "observe" for e in events), 30.0, "the long generation to start")
+            for i in range(5):
+                publisher.publish(Observation(text=f" normal {i};"))
+            publisher.publish(Observation(text=" urgent!", priority=Observation.PRIORITY_URGENT))
+            wait_for(lambda: sum(e.op == "observe" for e in events) == 7, 60.0, "every observation's event")
+        finally:
+            client.close()
+    long, *rest = [e for e in events if e.op in ("observe", "preempt")]
+    assert [e.op for e in rest] == ["preempt", "observe"] + ["observe"] * 5
+    urgent, normals = rest[1], rest[2:]
+    assert urgent.observation.text == " urgent!"
+    assert urgent.running_request_id == long.request_id > 0  # it ran inside the generation, at a token boundary
+    assert urgent.position_before < long.position_after + 400
+    assert [e.observation.text for e in normals] == [f" normal {i};" for i in range(5)]
+    assert [e.count for e in normals] == [4, 3, 2, 1, 0]  # they waited together: one prefill
+    assert all(e.running_request_id == 0 for e in normals)
