@@ -147,7 +147,7 @@ def test_1000_observations_at_1_khz_coalesce_and_a_capsule_taken_midway_restores
 
 
 @pytest.mark.parametrize("policy", ["drop_oldest", "refuse_new"])
-def test_past_the_byte_budget_every_observation_is_accounted_for(ros_context, tmp_path, policy):
+def test_past_the_byte_budget_every_observation_is_accounted_for(ros_context, tmp_path, policy, capsys):
     texts = [f"{i:04d};" for i in range(300)]
     events, bag, results = run_live(ros_context, tmp_path, f"/t_obs_{policy}", texts, 1000.0,
                                     {"observation_queue.max_bytes": 20, "observation_queue.overload": policy})
@@ -158,6 +158,8 @@ def test_past_the_byte_budget_every_observation_is_accounted_for(ros_context, tm
     assert sorted(applied + [e.observation.header.stamp.nanosec for e in dropped]) == list(range(1, 301))
     assert applied == sorted(applied)
     assert results["diagnostics"]["observations_dropped"] == str(len(dropped))
+    assert cli.main(["replay", str(bag), "--offline"]) == 0  # the drops are part of the recording
+    assert "RESULT: identical" in capsys.readouterr().out
 
 
 def test_block_drops_nothing_past_the_budget_it_holds_them_back_in_dds(ros_context, tmp_path):
