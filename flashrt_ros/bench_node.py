@@ -262,11 +262,10 @@ def rates_markdown(rows) -> str:
              "probe first token p50 / p99 (ms) | urgent wait max (ms) |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        ing, ft = r["ingest"], r["first_token"]
+        ing, ft = (f"{p['p50_ms']:.1f} / {p['p99_ms']:.1f}" if p else "—" for p in (r["ingest"], r["first_token"]))
         wait = f"{r['urgent_wait_ms_max']:.1f}" if r["probe"] == "urgent" else ""
         lines.append(f"| {r['rate_hz']:g} | {r['probe']} | {r['published']} | {r['applied']} | "
-                     f"{r['sustained_per_s']:.0f} | {r['groups']} | {ing['p50_ms']:.1f} / {ing['p99_ms']:.1f} | "
-                     f"{ft['p50_ms']:.1f} / {ft['p99_ms']:.1f} | {wait} |")
+                     f"{r['sustained_per_s']:.0f} | {r['groups']} | {ing} | {ft} | {wait} |")
     return "\n".join(lines)
 
 
