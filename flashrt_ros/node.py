@@ -44,6 +44,7 @@ from flashrt_ros.action import Generate
 from flashrt_ros.endpoints import REQUEST_QOS, diagnostics_name
 from flashrt_ros.engine_worker import EngineWorker
 from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
+from flashrt_ros.observation_queue import ObservationIngest, ObservationQueue
 from flashrt_ros.operations import OPERATIONS, Operation, resolve_type, services
 from flashrt_ros.params import NodeSettings, check_update, declare_parameters, read_settings
 from flashrt_ros.runtime import Engine, ErrorCode, FlashRTError
@@ -78,6 +79,7 @@ class FlashRTNode(Node):
         self._goals_lock = threading.Lock()
         self._goals_in_flight = 0
         self._observation_sub = None
+        self._ingest: Optional[ObservationIngest] = None
         self._diagnostics_timer = None
 
         # ~/tokens and ~/events publish in every configured state, so that refusals while inactive are answered
@@ -142,6 +144,10 @@ class FlashRTNode(Node):
             return TransitionCallbackReturn.FAILURE
         self._settings = settings
         self._worker = EngineWorker(session)
+        self._ingest = ObservationIngest(self._worker, ObservationQueue(**settings.observation_queue),
+                                         warn=self.get_logger().warning)
+        # its own mutually exclusive group: observations are taken one at a time, in arrival order, and a
+        # callback blocked by observation_queue.overload=block holds one executor thread, not all of them
         self._observation_sub = self.create_subscription(
             Observation, "~/observation", self._guarded(self._on_observation, self._observation_failed),
             settings.observation_qos, callback_group=self._observation_group)
@@ -191,6 +197,9 @@ class FlashRTNode(Node):
 
     def _teardown(self) -> None:
         """Stop the engine thread and drop the engine (its memory goes with the last reference)."""
+        if self._ingest is not None:  # first: wakes a callback blocked by overload=block
+            self._ingest.close()
+            self._ingest = None
         if self._observation_sub is not None:
             self.destroy_subscription(self._observation_sub)
             self._observation_sub = None
@@ -293,13 +302,13 @@ class FlashRTNode(Node):
         lost = self._loss.seen(info)
         if lost:
             self._report_loss(lost, "dropped before reaching the node: raise qos.observation.depth")
-        worker = self._worker
-        if worker is None:  # no engine, so no session to refuse it with an event
+        worker, ingest = self._worker, self._ingest
+        if worker is None or ingest is None:  # no engine, so no session to refuse it with an event
             self._report_loss(1, "dropped: the node is not configured")
             return
-        obs = conv.observation_in(msg)
-        future = worker.submit(lambda s: s.observe(obs), when_idle=obs.priority != PRIORITY_URGENT)
-        future.add_done_callback(self._log_refusal)
+        future = ingest.offer(conv.observation_in(msg))  # queued; coalesced at the next step boundary
+        if future is not None:
+            future.add_done_callback(self._log_refusal)
 
     def _observation_failed(self, error: FlashRTError, _msg, _info) -> None:
         self._report_loss(1, f"not handed to the engine: {error.message}")
@@ -405,6 +414,8 @@ class FlashRTNode(Node):
             return
         values = {**future.result(), "active": self._active, "last_error": self._last_error,
                   "observations_lost": self._observations_lost}
+        if self._ingest is not None:
+            values.update(self._ingest.stats())
         status = DiagnosticStatus(
             level=DiagnosticStatus.OK if self._active else DiagnosticStatus.WARN,
             name=diagnostics_name(self.get_fully_qualified_name()), hardware_id=self._settings.engine.device,

@@ -118,6 +118,9 @@ OPERATIONS: dict = {o.op: o for o in (
     Operation("deactivate", "lifecycle", "", "", "deactivate"),
     Operation("set_sampling", "parameter", "sampling.*", "", "set_sampling", ("temperature", "top_p", "top_k")),
     Operation("observation_lost", "topic", "observation", "", "observation_lost", ("count",)),
+    # the node's observation queue dropped or refused this observation (overload policy; the event carries it)
+    Operation("observation_dropped", "topic", "observation", "", "observation_dropped",
+              ("observation", "message")),
     # emitted inside another operation (never re-issued): the interrupted stream's capsule, and the capsule
     # an observation's ``snapshot_label`` asks for (a 'snapshot' event right after its 'observe')
     Operation("preempt", "consequence", "", "", ""),

@@ -19,6 +19,7 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from flashrt_ros.discretiser import Discretiser
+from flashrt_ros.observation_queue import OVERLOAD_POLICIES
 from flashrt_ros.operations import as_float32
 from flashrt_ros.runtime import EngineConfig, FlashRTError, SamplingParams
 from flashrt_ros.runtime import quant
@@ -73,6 +74,13 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
      ("volatile", "transient_local")),
     ("request_timeout_s", 10.0, "how long a service waits for the engine thread (then TIMEOUT)", (0.01, 3600.0), None),
     ("diagnostics_period_s", 1.0, "period of /diagnostics messages", (0.05, 3600.0), None),
+    ("observation_queue.max_bytes", 1 << 20, "bytes of observations (text + 4 per token id and value) the node "
+     "queues while the engine is busy; nothing is dropped below it", (1, 1 << 30), None),
+    ("observation_queue.overload", "drop_oldest", "past max_bytes: drop_oldest or refuse_new (each one an "
+     "observation_dropped event, counted in /diagnostics) or block (drop nothing: stop taking from DDS)", None,
+     OVERLOAD_POLICIES),
+    ("observation_queue.max_group_bytes", 256, "queued observations appended as one prefill, at most (at least "
+     "one): bounds how long an urgent observation waits for a prefill already running", (1, 1 << 30), None),
 ]
 
 
@@ -146,6 +154,7 @@ class NodeSettings:
     observation_qos: QoSProfile
     request_timeout_s: float
     diagnostics_period_s: float
+    observation_queue: dict  # ObservationQueue's keyword arguments
 
 
 def read_settings(node) -> NodeSettings:
@@ -175,4 +184,7 @@ def read_settings(node) -> NodeSettings:
                         else DurabilityPolicy.TRANSIENT_LOCAL)),
         request_timeout_s=p["request_timeout_s"],
         diagnostics_period_s=p["diagnostics_period_s"],
+        observation_queue={"max_bytes": p["observation_queue.max_bytes"],
+                           "overload": p["observation_queue.overload"],
+                           "max_group_bytes": p["observation_queue.max_group_bytes"]},
     )

@@ -348,21 +348,7 @@ class Session:
         seed = fields["seed"] if fields.get("reseed") else None
 
         def run():  # every check before the running generation is preempted
-            ids = self.engine.check_ingest(self._tokenise(obs))
-            params = self._sampling(fields)
-            if obs.max_new_tokens < 0:
-                raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "max_new_tokens must be >= 0")
-            if seed is not None:
-                self.engine.check_seed(seed)
-            if not ids and obs.max_new_tokens == 0:
-                raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "empty observation: no tokens and nothing to generate")
-            if obs.max_new_tokens:
-                self.engine.check_generate(len(ids))
-            if obs.snapshot_label:  # refuse now rather than ingest and then fail to take the capsule(s)
-                # a preempted generation is kept as a capsule of the current state first: both must fit
-                interrupted = (self.engine.position,) if self._active is not None else ()
-                self.engine.check_capsule_room(*interrupted, self.engine.position + len(ids),
-                                               label=obs.snapshot_label)
+            ids, params = self._check_observation(obs, fields, seed)
             if self._active is not None:
                 self._active.stop(PREEMPTED)
             if ids:
@@ -392,6 +378,95 @@ class Session:
             return self.default_sampling
         return SamplingParams(temperature=float(fields["temperature"]), top_k=int(fields["top_k"]),
                               top_p=float(fields["top_p"]))
+
+    def _check_observation(self, obs: ObservationInput, fields: dict, seed: Optional[int],
+                           after_tokens: int = 0) -> tuple[list[int], SamplingParams]:
+        """Every check of an observation, before the running generation is preempted: its tokens and its
+        sampling parameters (a Generate goal's ``fields``), or FlashRTError. ``after_tokens``: tokens ahead of it,
+        still to be ingested."""
+        ids = self.engine.check_ingest(self._tokenise(obs), after_tokens)
+        params = self._sampling(fields)
+        if obs.max_new_tokens < 0:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "max_new_tokens must be >= 0")
+        if seed is not None:
+            self.engine.check_seed(seed)
+        if not ids and obs.max_new_tokens == 0:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "empty observation: no tokens and nothing to generate")
+        if obs.max_new_tokens:
+            self.engine.check_generate(after_tokens + len(ids))
+        if obs.snapshot_label:  # refuse now rather than ingest and then fail to take the capsule(s)
+            # a preempted generation is kept as a capsule of the current state first: both must fit
+            interrupted = (self.engine.position,) if self._active is not None else ()
+            self.engine.check_capsule_room(*interrupted, self.engine.position + after_tokens + len(ids),
+                                           label=obs.snapshot_label)
+        return ids, params
+
+    def observe_group(self, observations: list[ObservationInput]) -> Optional[Generation]:
+        """Ingest observations that queued up together (in arrival order) as ONE prefill; return the
+        Generation the last one asks for, if any.
+
+        Each observation still gets its own 'observe' event, with its own span of positions
+        (``position_before`` .. ``position_after``) and ``count`` = how many observations after it share the
+        prefill (0 for the last), so a replay re-issues the same group as one prefill: a prefill of A+B is
+        not byte-identical to a prefill of A, then of B (the chunked delta rule folds differently), though
+        the tokens in context are the same. The group is one commit boundary. A refused observation is
+        left out of the prefill (its event says why), exactly as it would be refused alone; the running
+        generation (only an urgent group runs while one does) is preempted once, if any is accepted.
+        Only the last observation may generate or carry a ``snapshot_label`` (they end a group).
+        """
+        if len(observations) == 1:
+            return self.observe(observations[0])
+        if any(o.max_new_tokens or o.snapshot_label for o in observations[:-1]):
+            raise ValueError("only the last observation of a group may generate or take a snapshot")
+        before = self.engine.position
+        running = self._active.request_id if self._active is not None else 0
+        start = time.perf_counter()
+        self.epoch += 1
+        checked, pending = [], 0
+        for obs in observations:
+            try:
+                self._check_accepting()
+                ids, params = self._check_observation(obs, {}, None, pending)
+            except FlashRTError as e:
+                checked.append((None, None, e))
+                continue
+            checked.append((ids, params, None))
+            pending += len(ids)
+        tokens = [t for ids, _, error in checked if error is None for t in ids]
+        if any(error is None for _, _, error in checked) and self._active is not None:
+            self._active.stop(PREEMPTED)  # as one accepted observation alone would
+        if tokens:
+            try:
+                self.engine.ingest(tokens)
+            except Exception as e:  # noqa: BLE001 - nothing was committed: every accepted one fails with the reason
+                failed = e if isinstance(e, FlashRTError) else FlashRTError(ErrorCode.INTERNAL,
+                                                                            f"{type(e).__name__}: {e}")
+                checked = [(None, None, err or failed) for _, _, err in checked]
+        position, last = before, observations[-1]
+        for index, (obs, (ids, params, error)) in enumerate(zip(observations, checked)):
+            generating = obs.max_new_tokens > 0
+            fields = {"observation": obs, "count": len(observations) - 1 - index,
+                      "request_id": self._request_id + 1 if generating else 0}
+            at = running if index == 0 else 0
+            if error is not None:
+                self._event("observe", fields, at, position, start, False, error.code, error.message, after=position)
+                if generating:
+                    self._refuse_generation(obs.stamp_ns)
+                continue
+            self._event("observe", fields, at, position, start, True, ErrorCode.OK, "", after=position + len(ids))
+            position += len(ids)
+        ids, params, error = checked[-1]
+        if error is not None:
+            return None
+        if last.snapshot_label:
+            self.snapshot(label=last.snapshot_label)
+        return self._start(last.max_new_tokens, params, last.stamp_ns) if last.max_new_tokens > 0 else None
+
+    def observation_dropped(self, observation: ObservationInput, message: str) -> Done:
+        """Record that ``observation`` was never ingested: the node's observation queue dropped or refused it
+        (an 'observation_dropped' event carrying it, so its stamp, and why in ``message``)."""
+        return self._operation("observation_dropped", Done, {"observation": observation, "message": message},
+                               needs_active=False)
 
     def observation_lost(self, count: int) -> Done:
         """Record that ``count`` observations never reached the engine (an 'observation_lost' event)."""
@@ -632,11 +707,11 @@ class Session:
         self._event(op, fields, running, before, start, True, ErrorCode.OK, fields.get("message", ""))
         return result
 
-    def _event(self, op, fields, running, before, start, success, code, message) -> None:
+    def _event(self, op, fields, running, before, start, success, code, message, after=None) -> None:
         fields = {k: v for k, v in fields.items() if k != "message"}
         self._seq += 1
         self._emit(EventOutput(self._seq, op, running_request_id=running, position_before=before,
-                               position_after=self.engine.position,
+                               position_after=self.engine.position if after is None else after,
                                latency_ms=(time.perf_counter() - start) * 1e3, success=success,
                                error_code=int(code), message=message, **fields))
 

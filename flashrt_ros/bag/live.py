@@ -171,7 +171,11 @@ class _LiveReplay:
         if op.kind == "service":
             self.client.call(op.interface, **{name: getattr(e, name) for name in op.fields})
         elif call.op == "observe":
-            self._observations.publish(bytes(typestore().serialize_cdr(e.observation, TOPICS["observation"])))
+            if call.also:  # published back to back: the node ingests together what it finds queued
+                self.notes.append(f"event seq {e.seq}: {len(call.observations)} observations shared one prefill; "
+                                  "the live node groups what reaches it while busy, which may differ")
+            for observation in call.observations:
+                self._observations.publish(bytes(typestore().serialize_cdr(observation, TOPICS["observation"])))
         elif call.op == "generate":
             self._goals[int(e.request_id)] = self.client.send_goal(_as_message(e, op))
         elif call.op == "cancel":

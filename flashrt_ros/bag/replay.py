@@ -64,9 +64,13 @@ def to_message(output, stamp_ns: int = 0) -> tuple[str, object]:
 
 
 def apply(session: Session, call: Call) -> None:
-    """Issue one recorded call, with the recorded request; a refusal is part of the recording (its event says so)."""
+    """Issue one recorded call, with the recorded request; a refusal is part of the recording (its event says so).
+    Observations that shared one prefill are ingested as one prefill again."""
     try:
-        getattr(session, call.operation.method)(**conv.session_kwargs(call.operation, call.event))
+        if call.also:
+            session.observe_group([conv.observation_in(o) for o in call.observations])
+        else:
+            getattr(session, call.operation.method)(**conv.session_kwargs(call.operation, call.event))
     except FlashRTError:
         pass
 

@@ -12,8 +12,12 @@ script is the recorded events in ``seq`` order, minus those another call emits a
 A call with ``running_request_id`` R ran at ``position_before`` of request R: replays place it there (offline
 by stepping R to that position, live through the node's ``~/hold``). A call with none ran while no generation
 ran: replays let the previous one finish first.
+
+Observations the node queued while its engine was busy were ingested together as one prefill, each with its
+own 'observe' event whose ``count`` says how many observations after it share that prefill: such a group is
+one call (its first event, and the others in ``also``), which the replay ingests as one prefill again.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flashrt_ros.bag.bagfile import BagError, Record
 from flashrt_ros.operations import OPERATIONS
@@ -25,6 +29,17 @@ _OBSERVING = {"observe", "generate"}
 class Call:
     event: object                        # the recorded StateEvent of this call
     first_seq: int = 0                   # seq of its first event (a 'preempt' it caused comes before it)
+    also: tuple = ()                     # the 'observe' events that shared its prefill, in order
+
+    @property
+    def last(self):
+        """Its last event (the group's last observation: the one that may generate or take a snapshot)."""
+        return self.also[-1] if self.also else self.event
+
+    @property
+    def observations(self) -> list:
+        """The recorded observations of an 'observe' call, in arrival order."""
+        return [e.observation for e in (self.event, *self.also)]
 
     @property
     def op(self) -> str:
@@ -43,7 +58,7 @@ class Call:
     def opens_request(self) -> int:
         """The request id the call took (0 = none): a generating observation, even a refused one (its final
         chunk says ``error``), or a successful resume."""
-        return 0 if self.op == "cancel" else int(self.event.request_id)
+        return 0 if self.op == "cancel" else int(self.last.request_id)
 
 
 def build_script(records: list[Record]) -> list[Call]:
@@ -53,7 +68,7 @@ def build_script(records: list[Record]) -> list[Call]:
     script: list[Call] = []
     first = None  # seq of a consequence emitted ahead of the call that caused it
     for event in events:
-        previous = script[-1].event if script else None
+        previous = script[-1].last if script else None
         if OPERATIONS.get(event.op) is None:
             raise BagError(f"event seq {event.seq} has an unknown op {event.op!r}")
         if OPERATIONS[event.op].kind == "consequence":
@@ -61,9 +76,18 @@ def build_script(records: list[Record]) -> list[Call]:
             continue
         if _label_snapshot(previous, event):
             continue
+        if _joins(previous, event):
+            script[-1] = replace(script[-1], also=(*script[-1].also, event))
+            continue
         script.append(Call(event, first or event.seq))
         first = None
     return script
+
+
+def _joins(previous, event) -> bool:
+    """Whether ``event`` shared the prefill of the 'observe' event just before it."""
+    return (event.op == "observe" and previous is not None and previous.op == "observe" and previous.count > 0
+            and previous.seq == event.seq - 1)
 
 
 def _label_snapshot(previous, event) -> bool:

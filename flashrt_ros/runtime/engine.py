@@ -326,9 +326,10 @@ class Engine:
         return ids
 
     # ---- checks a caller runs before it changes anything (the engine's own calls run them too) ------------
-    def check_ingest(self, token_ids: Iterable[int]) -> list[int]:
-        """TOKEN_OUT_OF_RANGE / CONTEXT_OVERFLOW unless ``token_ids`` can be appended now; returns them."""
-        return self._check_tokens(token_ids, self.position)
+    def check_ingest(self, token_ids: Iterable[int], after_tokens: int = 0) -> list[int]:
+        """TOKEN_OUT_OF_RANGE / CONTEXT_OVERFLOW unless ``token_ids`` can be appended now (after ``after_tokens``
+        more, still to be ingested); returns them."""
+        return self._check_tokens(token_ids, self.position + after_tokens)
 
     def check_generate(self, after_tokens: int = 0) -> None:
         """INVALID_ARGUMENT if generating would start from an empty context (after ``after_tokens`` more)."""

@@ -8,7 +8,12 @@ Measures, over loopback DDS:
   generation runs, next to the same observation's latency on an idle node (the node streams one
   token per chunk here, so the first chunk is the first token);
 * bursts: 500 observations published at full speed, 100 concurrent service calls and 30 concurrent
-  ``~/generate`` goals, each as answered / sent and the p50/p99 time to its answer.
+  ``~/generate`` goals, each as answered / sent and the p50/p99 time to its answer;
+* observations at sensor rate (``--rates``): at each rate, short ingest-only observations for
+  ``--rate-seconds``, ``--probe-hz`` of them per second probes that generate one token (normal, then in a
+  second run urgent): the sustained observations/s the node applied, publish -> 'observe' event
+  latency of every observation, publish -> first token latency of the probes, and (urgent runs) the
+  longest an urgent probe waited in the node for the engine (``urgent_wait_ms_max`` on /diagnostics).
 
 Prints a markdown table and writes the raw figures as JSON (``--out``)::
 
@@ -191,6 +196,79 @@ def burst_goals(client, count: int = 30, timeout: float = 120.0):
                       {"rejected": len(rejected)})
 
 
+def observation_rate(client, rate_hz: float, seconds: float, probe_hz: float, urgent: bool,
+                     timeout: float = 120.0) -> dict:
+    """Publish ``rate_hz * seconds`` short observations at ``rate_hz`` into a reset node, ``probe_hz`` of them
+    per second probes that generate one token (urgent or normal); the figures of :func:`observation_rates`."""
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    from flashrt_ros.msg import Observation, StateEvent
+
+    _check(client.reset(), "reset")
+    applied, dropped, waits = {}, [], []
+    diagnostics = client.node.create_subscription(DiagnosticArray, "/diagnostics", lambda m: waits.extend(
+        float(kv.value) for s in m.status for kv in s.values if kv.key == "urgent_wait_ms_max"), 10)
+
+    def on_event(e):
+        stamp = e.observation.header.stamp.sec * 1_000_000_000 + e.observation.header.stamp.nanosec
+        if e.op == "observe" and e.success:
+            applied.setdefault(stamp, (time.perf_counter(), e.count))
+        elif e.op in ("observe", "observation_dropped", "observation_lost"):
+            dropped.append(e.op)
+    sub = client.node.create_subscription(StateEvent, f"{client.ns}/events", on_event, 1000)
+    count = int(rate_hz * seconds)
+    sent_at, probes = {}, []
+    priority = Observation.PRIORITY_URGENT if urgent else Observation.PRIORITY_NORMAL
+    start = time.perf_counter()
+    probe_every = max(1, round(rate_hz / probe_hz))
+    for i in range(count):
+        probe = (i + 1) % probe_every == 0
+        msg = client.observation(f"j{i % 100};", max_new_tokens=1 if probe else 0,
+                                 priority=priority if probe else Observation.PRIORITY_NORMAL)
+        stamp = client.publish(msg)
+        sent_at[stamp] = time.perf_counter()
+        if probe:
+            probes.append(stamp)
+        delay = start + (i + 1) / rate_hz - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+    published_s = time.perf_counter() - start
+    _wait_all(count, lambda: len(applied) + len(dropped), timeout)
+    _wait_all(len(probes), lambda: len(client.finished_streams(probes)), timeout)
+    client.node.destroy_subscription(sub)
+    seen = len(waits)
+    _wait_all(seen + 1, lambda: len(waits), 10.0)  # the diagnostics message that covers the run's end
+    client.node.destroy_subscription(diagnostics)
+    streams = client.finished_streams(probes)
+    last = max((t for t, _ in applied.values()), default=start)
+    ingest = [(applied[s][0] - sent_at[s]) * 1e3 for s in sent_at if s in applied]
+    first = [(streams[s].first_token_at - sent_at[s]) * 1e3 for s in probes if s in streams]
+    return {"rate_hz": rate_hz, "probe": "urgent" if urgent else "normal", "published": count,
+            "published_hz": count / published_s, "applied": len(applied), "not_applied_events": len(dropped),
+            "sustained_per_s": len(applied) / (last - start) if applied else 0.0,
+            "groups": sum(1 for _, n in applied.values() if n == 0),
+            "ingest": percentiles(ingest) if ingest else None,
+            "first_token": percentiles(first) if first else None,
+            "urgent_wait_ms_max": max(waits, default=0.0)}
+
+
+def observation_rates(client, rates, seconds: float, probe_hz: float) -> list[dict]:
+    """Each rate twice: probes of normal priority, then urgent ones."""
+    return [observation_rate(client, rate, seconds, probe_hz, urgent) for rate in rates for urgent in (False, True)]
+
+
+def rates_markdown(rows) -> str:
+    lines = ["| rate (Hz) | probe | published | applied | sustained (obs/s) | prefills | observe p50 / p99 (ms) | "
+             "probe first token p50 / p99 (ms) | urgent wait max (ms) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ing, ft = (f"{p['p50_ms']:.1f} / {p['p99_ms']:.1f}" if p else "—" for p in (r["ingest"], r["first_token"]))
+        wait = f"{r['urgent_wait_ms_max']:.1f}" if r["probe"] == "urgent" else ""
+        lines.append(f"| {r['rate_hz']:g} | {r['probe']} | {r['published']} | {r['applied']} | "
+                     f"{r['sustained_per_s']:.0f} | {r['groups']} | {ing} | {ft} | {wait} |")
+    return "\n".join(lines)
+
+
 def markdown(rows) -> str:
     lines = ["| measurement | context (tokens) | n | p50 (ms) | p99 (ms) | node p50 (ms) |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -222,27 +300,40 @@ def main(argv=None) -> int:
     parser.add_argument("--burst-observations", type=int, default=500)
     parser.add_argument("--burst-calls", type=int, default=100)
     parser.add_argument("--burst-goals", type=int, default=30)
+    parser.add_argument("--rates", type=float, nargs="*", default=[],
+                        help="observation rates (Hz) to run the sensor-rate measurement at (none: skip it)")
+    parser.add_argument("--rate-seconds", type=float, default=2.0)
+    parser.add_argument("--probe-hz", type=float, default=10.0, help="probes (one generated token) per second")
+    parser.add_argument("--rates-only", action="store_true", help="run only the sensor-rate measurement")
+    parser.add_argument("--node-param", action="append", default=[], metavar="NAME=VALUE",
+                        help="a further node parameter, e.g. observation_queue.max_group_bytes=256")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    max_context = max(max(args.contexts) + args.long_tokens, 2 * args.burst_observations + 4 * args.burst_goals) + 128
+    max_context = max(max(args.contexts) + args.long_tokens, 2 * args.burst_observations + 4 * args.burst_goals,
+                      6 * int(max(args.rates, default=0) * args.rate_seconds)) + 128
 
     ensure_loopback_env()
     log_path = Path(tempfile.mkdtemp(prefix="flashrt_bench_")) / "node.log"
+    rows, bursts = [], []
     with local_node(log_path, 300.0, model=args.model, device=args.device, max_context=max_context,
-                    autostart=True, stream_chunk_tokens=1) as (client, _):
-        rows = [row for context in args.contexts for row in service_latency(client, context, args.calls)]
-        rows += first_token_latency(client, args.trials, args.long_tokens)
-        _check(client.reset(), "reset")
-        bursts = [burst_observations(client, args.burst_observations), burst_services(client, args.burst_calls),
-                  burst_goals(client, args.burst_goals)]
-    print(markdown(rows))
-    print()
-    print(burst_markdown(bursts))
+                    autostart=True, stream_chunk_tokens=1, **dict(p.split("=", 1) for p in args.node_param)) as (client, _):
+        if not args.rates_only:
+            rows = [row for context in args.contexts for row in service_latency(client, context, args.calls)]
+            rows += first_token_latency(client, args.trials, args.long_tokens)
+            _check(client.reset(), "reset")
+            bursts = [burst_observations(client, args.burst_observations),
+                      burst_services(client, args.burst_calls), burst_goals(client, args.burst_goals)]
+        rates = observation_rates(client, args.rates, args.rate_seconds, args.probe_hz)
+    for table, render in ((rows, markdown), (bursts, burst_markdown), (rates, rates_markdown)):
+        if table:
+            print(render(table))
+            print()
     if args.out:
-        meta = {"model": args.model, "device": args.device, "max_context": max_context,
+        meta = {"model": args.model, "device": args.device, "max_context": max_context, "node_params": args.node_param,
                 "machine": platform.platform(), "python": platform.python_version(),
                 "command": " ".join(["python -m flashrt_ros.tools.bench_node", *(argv or sys.argv[1:])])}
-        args.out.write_text(json.dumps({"meta": meta, "results": rows, "bursts": bursts}, indent=2))
+        args.out.write_text(json.dumps({"meta": meta, "results": rows, "bursts": bursts,
+                                        "observation_rates": rates}, indent=2))
     return 0
 
 

@@ -57,3 +57,16 @@ def test_bench_node_measures_every_row_and_writes_json(tmp_path):
     bursts = json.loads(out.read_text())["bursts"]
     assert len(table) == 2 + len(results) + len(bursts)  # each table's header, then one row per result
     assert [(b["sent"], b["answered"]) for b in bursts] == [(20, 20), (10, 10), (12, 12)]
+
+
+def test_bench_node_measures_observations_at_sensor_rate(tmp_path):
+    out = tmp_path / "rates.json"
+    done = run_module("flashrt_ros.tools.bench_node", "--rates-only", "--rates", "100", "--rate-seconds", "0.5",
+                      "--probe-hz", "10", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["observation_rates"]
+    assert [(r["rate_hz"], r["probe"], r["published"], r["applied"], r["first_token"]["n"]) for r in rows] == [
+        (100, "normal", 50, 50, 5), (100, "urgent", 50, 50, 5)]
+    assert all(0 < r["groups"] <= r["applied"] and r["ingest"]["n"] == 50 for r in rows)
+    assert rows[1]["urgent_wait_ms_max"] > 0  # the node measured how long its urgent probes waited
+    assert len([line for line in done.stdout.splitlines() if line.startswith("| ")]) == 1 + len(rows)  # header, rows
