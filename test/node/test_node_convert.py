@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 from rclpy.serialization import deserialize_message, serialize_message
 
 from flashrt_ros.ros_convert import TIME_MAX_NS, TIME_MIN_NS, capsule_msg, ns_to_time, seconds_to_time, time_to_ns
-from flashrt_ros.runtime.capsules import CapsuleInfo
+from flashrt_ros.runtime.capsule.capsule import CapsuleInfo
 
 INT32 = (-(2**31), 2**31 - 1)
 
