@@ -112,6 +112,11 @@ def test_loads_and_builds_the_node_description():
 
 
 def test_readme_and_thor_file_name_the_same_model_folder():
+    """The launch lines with thor.yaml name its model; the pre-quantised section names another folder on purpose."""
     thor = yaml.safe_load((ROOT / "config" / "thor.yaml").read_text())["/**"]["ros__parameters"]["model"]
-    readme = re.findall(r"model:=(\S+)", (ROOT / "README.md").read_text())
+    text = (ROOT / "README.md").read_text()
+    start = text.index("### Pre-quantised checkpoints on the robot")
+    end = text.index("\n#", start + 1)
+    readme = re.findall(r"model:=(\S+)", text[:start] + text[end:])
     assert readme and set(readme) == {thor}
+    assert re.findall(r"model:=(\S+)", text[start:end]), "the pre-quantised section shows a model:= line"
