@@ -22,6 +22,8 @@ from .tokenizer import ByteTokenizer, HFTokenizer
 
 # What a Generate goal may name as its constraint, and the llguidance format each one is compiled from.
 GRAMMAR_FORMATS = ("json_schema", "lark", "gbnf", "regex")
+# llguidance's JSON options unless a schema's own "x-guidance" says otherwise
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def _llguidance():
@@ -43,9 +45,10 @@ def compile_grammar(kind: str, text: str) -> str:
     if kind not in GRAMMAR_FORMATS:
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"grammar kind must be one of {GRAMMAR_FORMATS}, got {kind!r}")
     try:
-        if kind == "json_schema":
-            json.loads(text)
-        grammar = llg.grammar_from(kind, text)
+        if kind == "json_schema":           # compact JSON (no free whitespace): every token carries content
+            grammar = llg.LLMatcher.grammar_from_json_schema(json.loads(text), defaults=JSON_OPTIONS)
+        else:
+            grammar = llg.grammar_from(kind, text)
     except (ValueError, TypeError) as exc:             # json.JSONDecodeError is a ValueError
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"bad {kind}: {exc}") from None
     message = llg.LLMatcher.validate_grammar(grammar)
