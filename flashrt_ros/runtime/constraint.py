@@ -77,7 +77,8 @@ def llg_tokenizer(tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
         return llg.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
     if not isinstance(tokenizer, ByteTokenizer):
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "constrained decoding needs a tokenizer (this model has none)")
-    return llg.LLTokenizer(llg.TokenizerWrapper(_ByteVocabulary(vocab_size, eos_token_ids[0])), slices=[])
+    eos = eos_token_ids[0] if eos_token_ids else 256       # a preset without one: the first non-byte id ends it
+    return llg.LLTokenizer(llg.TokenizerWrapper(_ByteVocabulary(vocab_size, eos)), slices=[])
 
 
 class Constraint:

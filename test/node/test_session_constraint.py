@@ -7,11 +7,10 @@ import pytest
 from geometry_msgs.msg import Twist
 
 from flashrt_ros import ros_schema
-from flashrt_ros.discretiser import Discretiser
-from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
-from flashrt_ros.session import PRIORITY_URGENT, EventOutput, ObservationInput, Session, TypedOutput
+from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError
+from flashrt_ros.session import PRIORITY_URGENT, EventOutput, ObservationInput, TypedOutput
+from test_session import make_session, run, state
 
-SAMPLED = SamplingParams(temperature=1.0)
 TWIST = "geometry_msgs/msg/Twist"
 SCHEMA = json.dumps({"type": "object", "properties": {"skill": {"enum": ["grasp", "place", "wave"]},
                                                       "count": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -30,21 +29,7 @@ def outputs():
 
 @pytest.fixture
 def session(engine, outputs):
-    engine.reset()
-    for info in engine.capsules():
-        engine.drop(info.id)
-    return Session(engine, discretiser=Discretiser(bins=255, token_offset=257), default_sampling=SAMPLED,
-                   emit=outputs.append, stream_chunk_tokens=8)
-
-
-def run(gen):
-    while gen.step():
-        pass
-    return gen.outcome.result()
-
-
-def state(engine):
-    return engine.live_checksum(), engine.position, [(c.id, c.checksum) for c in engine.capsules()]
+    return make_session(engine, outputs, chunk=8)
 
 
 def test_output_type_twist_ends_with_a_typed_message_equal_to_the_text(session, outputs):
