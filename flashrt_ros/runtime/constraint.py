@@ -109,9 +109,9 @@ class Constraint:
         words.copy_(host[:words.numel()], non_blocking=True)   # llguidance may pad its vocabulary
 
     def accept(self, token: int) -> None:
-        if not self._matcher.consume_token(token):
-            self._check()
-            raise FlashRTError(ErrorCode.INTERNAL, f"token {token} was sampled against the grammar")
+        if not self._matcher.consume_token(token):      # the mask allowed it: a defect, not the request's fault
+            raise FlashRTError(ErrorCode.INTERNAL, f"token {token} was sampled against the grammar: "
+                                                   f"{self._matcher.get_error()}")
         self.tokens.append(token)
 
     def rollback(self, count: int) -> None:
