@@ -154,3 +154,35 @@ def test_a_bad_grammar_is_invalid_argument_and_changes_nothing(engine, kind, tex
         engine.compile_constraint(kind, text)
     assert err.value.code == ErrorCode.INVALID_ARGUMENT and says in str(err.value)
     assert torch.equal(engine.live_bytes(), before) and engine.constraint.tokens == tokens
+
+
+def test_an_hf_tokenizer_json_is_given_to_llguidance(tmp_path):
+    """tokenizer.json (byte-level BPE, as Qwen's) -> llguidance: the mask allows exactly the tokens that keep the
+    output inside the grammar, multi-byte tokens included."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from flashrt_ros.runtime.constraint import Constraint, ConstraintState, compile_grammar, llg_tokenizer
+    from flashrt_ros.runtime.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["left 12 right 34 stop 56"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path / "tokenizer.json")
+    vocab = tok.get_vocab_size()
+    constraint = Constraint(llg_tokenizer(hf, vocab, [tok.token_to_id("<|end|>")]),
+                            ConstraintState(compile_grammar("regex", "(left|right) [0-9]{2}")))
+    words = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
+
+    def allowed_texts():
+        constraint.fill_mask(words)
+        return {hf.decode([i]) for i in range(vocab) if (int(words[i // 32]) >> (i % 32)) & 1}
+
+    first = allowed_texts()
+    assert {"left", "l", "r"} <= first                          # a whole word (a BPE merge) and first bytes
+    assert all("left".startswith(t) or "right".startswith(t) for t in first)
+    for token in hf.encode("left 1"):
+        constraint.accept(token)
+    assert allowed_texts() == {str(d) for d in range(10)}          # one more digit, and nothing that is two
