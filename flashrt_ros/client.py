@@ -314,15 +314,18 @@ class FlashRTClient:
 
     # -- action ----------------------------------------------------------------------------------
     def generate_async(self, text: str = "", max_new_tokens: int = 16, *, temperature: float | None = None,
-                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None, **fields) -> Future:
+                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None, json_schema: str = "",
+                       grammar: str = "", output_type: str = "", **fields) -> Future:
         """Send a ``~/generate`` goal; the returned future completes with the ``Generate.Result``.
 
-        ``temperature=None`` keeps the node's sampling parameters; ``seed`` reseeds the sampler first.
+        ``temperature=None`` keeps the node's sampling parameters; ``seed`` reseeds the sampler first;
+        ``json_schema``, ``grammar`` or ``output_type`` constrain the output (see action/Generate.action).
         """
         goal = Generate.Goal(observation=self.observation(text, max_new_tokens=max_new_tokens, **fields),
                              override_sampling=temperature is not None,
                              temperature=temperature or 0.0, top_p=top_p, top_k=top_k,
-                             reseed=seed is not None, seed=seed or 0)
+                             reseed=seed is not None, seed=seed or 0,
+                             json_schema=json_schema, grammar=grammar, output_type=output_type)
         result = Future()
 
         def on_result(future):

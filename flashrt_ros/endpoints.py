@@ -1,5 +1,5 @@
 """What the node and its peers (the client, the bag tools) agree on beyond the msg/srv/action files: the QoS of
-the node's request queues and the name of its ``/diagnostics`` status. Light to import: rclpy's QoS only."""
+the node's request queues, the name of its ``/diagnostics`` status and its typed output topics. Light to import: rclpy's QoS only."""
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 # Request queues of every service and of the action's goal/cancel/result services: a burst of this many requests
@@ -12,3 +12,9 @@ def diagnostics_name(node_fqn: str) -> str:
     """The /diagnostics status name of the node ``node_fqn`` (fully qualified, so two nodes of the
     same name in different namespaces stay apart)."""
     return f"{node_fqn}: engine"
+
+
+def typed_topic(type_name: str) -> str:
+    """Where the node publishes the parsed message of a goal with ``output_type`` (``pkg/msg/Type``)."""
+    package, _, name = type_name.split("/")
+    return f"~/typed/{package}/msg/{name}"

@@ -41,7 +41,7 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from flashrt_ros import ros_convert as conv
 from flashrt_ros.action import Generate
-from flashrt_ros.endpoints import REQUEST_QOS, diagnostics_name
+from flashrt_ros.endpoints import REQUEST_QOS, diagnostics_name, typed_topic
 from flashrt_ros.engine_worker import EngineWorker
 from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
 from flashrt_ros.observation_queue import ObservationIngest, ObservationQueue
@@ -49,7 +49,7 @@ from flashrt_ros.operations import OPERATIONS, Operation, resolve_type, services
 from flashrt_ros.params import NodeSettings, check_update, declare_parameters, read_settings
 from flashrt_ros.runtime import Engine, ErrorCode, FlashRTError
 from flashrt_ros.session import (CANCELED, PRIORITY_URGENT, ActionOutput, EventOutput, Session,
-                                 TokenOutput)
+                                 TokenOutput, TypedOutput)
 from flashrt_ros.ros_convert import SequenceGaps
 from flashrt_ros.srv import Hold
 
@@ -86,6 +86,7 @@ class FlashRTNode(Node):
         self._tokens_pub = self.create_publisher(TokenChunk, "~/tokens", OUTPUT_DEPTH)
         self._action_pub = self.create_lifecycle_publisher(ActionChunk, "~/action", OUTPUT_DEPTH)
         self._events_pub = self.create_publisher(StateEvent, "~/events", _EVENTS_QOS)
+        self._typed_pubs: dict = {}    # output_type -> its publisher on ~/typed/<pkg>/msg/<Type>, made on first use
         self._loss = SequenceGaps()
         self._observations_lost = 0
         self._diagnostics_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
@@ -233,10 +234,19 @@ class FlashRTNode(Node):
                 feedback.put(msg)
         elif isinstance(out, ActionOutput):
             self._action_pub.publish(conv.action_chunk(out, stamp))
+        elif isinstance(out, TypedOutput):
+            self._typed_publisher(out.type_name, type(out.message)).publish(out.message)
         elif isinstance(out, EventOutput):
             if not out.success:
                 self._last_error = f"{out.op}: {out.message}"
             self._events_pub.publish(conv.state_event(out, stamp))
+
+    def _typed_publisher(self, type_name: str, msg_type):
+        """One publisher per message type a goal's ``output_type`` asked for: a controller subscribes to the
+        typed topic it consumes (the set is bounded by the message types this node can import)."""
+        if type_name not in self._typed_pubs:
+            self._typed_pubs[type_name] = self.create_publisher(msg_type, typed_topic(type_name), OUTPUT_DEPTH)
+        return self._typed_pubs[type_name]
 
     # ---- requests ---------------------------------------------------------------------------
     def _call(self, fn: Callable[[Session], object], when_idle: bool = False):

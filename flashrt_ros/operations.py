@@ -77,6 +77,8 @@ class Operation:
 
 # Sampling fields of a Generate goal, carried by its 'generate' event under the same names.
 SAMPLING_FIELDS = ("override_sampling", "temperature", "top_p", "top_k", "reseed", "seed")
+# Constraint fields of a Generate goal (at most one set), carried by its 'generate' event under the same names.
+CONSTRAINT_FIELDS = ("json_schema", "grammar", "output_type")
 
 
 def as_float32(value: float) -> float:
@@ -87,7 +89,7 @@ def as_float32(value: float) -> float:
 OPERATIONS: dict = {o.op: o for o in (
     Operation("observe", "topic", "observation", "flashrt_ros/msg/Observation", "observe", ("observation",)),
     Operation("generate", "action", "generate", "flashrt_ros/action/Generate", "generate",
-              ("observation", *SAMPLING_FIELDS)),
+              ("observation", *SAMPLING_FIELDS, *CONSTRAINT_FIELDS)),
     Operation("cancel", "action", "generate", "flashrt_ros/action/Generate", "cancel", ("request_id",)),
     Operation("snapshot", "service", "snapshot", "flashrt_ros/srv/Snapshot", "snapshot",
               ("capsule_id", "label", "pinned"), result=CapsuleResult),

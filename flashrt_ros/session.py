@@ -58,8 +58,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from flashrt_ros import ros_schema
 from flashrt_ros.discretiser import Discretiser
-from flashrt_ros.operations import (CapsuleResult, Done, DropResult, ListResult, PositionResult,
+from flashrt_ros.operations import (CONSTRAINT_FIELDS, CapsuleResult, Done, DropResult, ListResult, PositionResult,
                                     ResumeResult, as_float32)
 from flashrt_ros.runtime import (INTERRUPTED_PREFIX, ErrorCode, FlashRTError, SamplingParams,
                                  validate_client_capsule_id)
@@ -68,6 +69,7 @@ PRIORITY_NORMAL = 0
 PRIORITY_URGENT = 1
 
 LENGTH, STOP, CONTEXT_FULL = "length", "stop", "context_full"
+INCOMPLETE = "incomplete"        # max_new_tokens ended a constrained output before its grammar was complete
 PREEMPTED, CANCELED, ERROR = "preempted", "canceled", "error"
 _FINISH_CODES = {PREEMPTED: ErrorCode.PREEMPTED, CANCELED: ErrorCode.CANCELED, ERROR: ErrorCode.INTERNAL}
 
@@ -125,6 +127,9 @@ class EventOutput:
     top_k: int = 0
     reseed: bool = False
     seed: int = 0
+    json_schema: str = ""
+    grammar: str = ""
+    output_type: str = ""
     count: int = 0
     result_id: str = ""
     request_id: int = 0
@@ -150,6 +155,15 @@ class GenerationResult:
     message: str
 
 
+@dataclass
+class TypedOutput:
+    """The parsed message of a generation with an ``output_type`` (published typed by the node)."""
+    request_id: int
+    type_name: str
+    text: str
+    message: object
+
+
 @dataclass(frozen=True)
 class _Interrupted:
     """What resume needs to continue a preempted request."""
@@ -158,6 +172,7 @@ class _Interrupted:
     sampling: SamplingParams
     generated: tuple[int, ...]
     stamp_ns: int
+    output_type: str = ""
 
 
 class Generation:
@@ -167,8 +182,9 @@ class Generation:
     """
 
     def __init__(self, session: "Session", request_id: int, max_new_tokens: int,
-                 sampling: SamplingParams, stamp_ns: int, prior_ids=()):
+                 sampling: SamplingParams, stamp_ns: int, prior_ids=(), output_type: str = ""):
         self.request_id = request_id
+        self.output_type = output_type
         self.sampling = sampling
         self.stamp_ns = stamp_ns
         self.outcome: Future = Future()
@@ -255,6 +271,7 @@ class Generation:
         """Emit the final chunk (and the action), then resolve ``outcome`` even if emitting failed."""
         self._close_iter()
         session, engine = self._session, self._session.engine
+        reason, code, message, typed = self._check_constraint(reason, code, message)
         try:
             self._emit_chunk(final=True, reason=reason)
             action = session.discretiser.action_values(self.generated_ids) if reason != PREEMPTED else None
@@ -262,6 +279,8 @@ class Generation:
                 d = session.discretiser
                 session._emit(ActionOutput(self.request_id, d.horizon, d.dims, action[1], action[0],
                                            self.stamp_ns))
+            if typed is not None:
+                session._emit(typed)
         finally:
             if session.active is self:
                 session._active = None
@@ -269,6 +288,24 @@ class Generation:
                 self.request_id, list(self._ids), engine.tokenizer.decode(self._ids) if self._ids else "",
                 reason, engine.position, self._ttft_ms, code, message))
         return False
+
+    def _check_constraint(self, reason: str, code: ErrorCode, message: str):
+        """A constrained output cut short is ``incomplete``; a complete ``output_type`` one is parsed into its
+        message (a TypedOutput to emit)."""
+        constraint = self._session.engine.constraint
+        if constraint is None or reason not in (LENGTH, STOP):
+            return reason, code, message, None
+        if not constraint.accepting:
+            return INCOMPLETE, code, ("max_new_tokens reached before the constraint was complete: the output is not "
+                                      "valid JSON / not in the grammar"), None
+        if not self.output_type:
+            return reason, code, message, None
+        text = self._session.engine.tokenizer.decode(list(self.generated_ids))
+        try:
+            return reason, code, message, TypedOutput(self.request_id, self.output_type, text,
+                                                      ros_schema.parse_message(self.output_type, text))
+        except (ValueError, TypeError, AssertionError) as e:   # what a message's field setters raise
+            return ERROR, ErrorCode.INTERNAL, f"{self.output_type}: the output does not make a message: {e}", None
 
     def _close_iter(self) -> None:
         if self._iter is not None:
@@ -332,11 +369,15 @@ class Session:
         return self._observe("observe", observation, {})
 
     def generate(self, observation: ObservationInput, override_sampling: bool = False, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, reseed: bool = False, seed: int = 0) -> Generation:
+                 top_p: float = 1.0, top_k: int = 0, reseed: bool = False, seed: int = 0,
+                 json_schema: str = "", grammar: str = "", output_type: str = "") -> Generation:
         """A ``~/generate`` goal: :meth:`observe` with the goal's sampling (the node's unless
-        ``override_sampling``) and, with ``reseed``, the sampler reseeded to ``seed`` after ingestion."""
+        ``override_sampling``) and, with ``reseed``, the sampler reseeded to ``seed`` after ingestion; the output
+        constrained by at most one of ``json_schema``, ``grammar`` (Lark/GBNF) or ``output_type`` (a ROS message
+        type, whose parsed message is emitted as a TypedOutput)."""
         fields = {"override_sampling": override_sampling, "temperature": temperature, "top_p": top_p,
-                  "top_k": top_k, "reseed": reseed, "seed": seed}
+                  "top_k": top_k, "reseed": reseed, "seed": seed,
+                  "json_schema": json_schema, "grammar": grammar, "output_type": output_type}
         if observation.max_new_tokens <= 0:
             return self._operation("generate", _raise(ErrorCode.INVALID_ARGUMENT,
                                                       "observation.max_new_tokens must be > 0"),
@@ -349,12 +390,15 @@ class Session:
 
         def run():  # every check before the running generation is preempted
             ids, params = self._check_observation(obs, fields, seed)
+            constraint = self._constraint(fields)
             if self._active is not None:
                 self._active.stop(PREEMPTED)
             if ids:
                 self.engine.ingest(ids)
             if seed is not None:
                 self.engine.reseed(seed)
+            if generating:
+                self.engine.constrain(constraint)
             return params
 
         generating = obs.max_new_tokens > 0
@@ -369,7 +413,22 @@ class Session:
             self.snapshot(label=obs.snapshot_label)
         if not generating:
             return None
-        return self._start(obs.max_new_tokens, params, obs.stamp_ns)
+        return self._start(obs.max_new_tokens, params, obs.stamp_ns, output_type=fields.get("output_type", ""))
+
+    def _constraint(self, fields: dict):
+        """The goal's constraint compiled (INVALID_ARGUMENT with the library's or the type mapping's message), or
+        None; changes nothing."""
+        given = {name: fields.get(name, "") for name in CONSTRAINT_FIELDS if fields.get(name, "")}
+        if len(given) > 1:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"at most one of {', '.join(CONSTRAINT_FIELDS)}; "
+                                                           f"got {', '.join(given)}")
+        if "output_type" in given:
+            return self.engine.compile_constraint("json_schema", ros_schema.schema_for(given["output_type"]))
+        if "json_schema" in given:
+            return self.engine.compile_constraint("json_schema", given["json_schema"])
+        if "grammar" in given:
+            return self.engine.compile_constraint("gbnf", given["grammar"])   # llguidance reads Lark or GBNF
+        return None
 
     def _sampling(self, fields: dict) -> SamplingParams:
         """The request's sampling, made (and so checked) once here: a Generate goal's own with
@@ -460,7 +519,10 @@ class Session:
             return None
         if last.snapshot_label:
             self.snapshot(label=last.snapshot_label)
-        return self._start(last.max_new_tokens, params, last.stamp_ns) if last.max_new_tokens > 0 else None
+        if last.max_new_tokens > 0:
+            self.engine.constrain(None)
+            return self._start(last.max_new_tokens, params, last.stamp_ns)
+        return None
 
     def observation_dropped(self, observation: ObservationInput, message: str) -> Done:
         """Record that ``observation`` was never ingested: the node's observation queue dropped or refused it
@@ -489,9 +551,10 @@ class Session:
         self._request_id += 1
         self._emit(TokenOutput(self._request_id, [], "", self.engine.position, True, ERROR, stamp_ns))
 
-    def _start(self, max_new_tokens: int, sampling: SamplingParams, stamp_ns: int, prior_ids=()) -> Generation:
+    def _start(self, max_new_tokens: int, sampling: SamplingParams, stamp_ns: int, prior_ids=(),
+               output_type: str = "") -> Generation:
         self._request_id += 1
-        self._active = Generation(self, self._request_id, max_new_tokens, sampling, stamp_ns, prior_ids)
+        self._active = Generation(self, self._request_id, max_new_tokens, sampling, stamp_ns, prior_ids, output_type)
         return self._active
 
     def _keep_interrupted(self, gen: Generation) -> None:
@@ -501,7 +564,7 @@ class Session:
         def run():
             self.engine.snapshot(capsule_id, label=f"preempted request {gen.request_id}")
             self._interrupted[capsule_id] = _Interrupted(
-                gen.request_id, gen.remaining, gen.sampling, gen.generated_ids, gen.stamp_ns)
+                gen.request_id, gen.remaining, gen.sampling, gen.generated_ids, gen.stamp_ns, gen.output_type)
             fields["message"] = f"request {gen.request_id} preempted with {gen.remaining} tokens left"
 
         fields = {"result_id": capsule_id}
@@ -591,7 +654,7 @@ class Session:
                 raise FlashRTError(ErrorCode.NOTHING_TO_RESUME, f"{cid!r} is not an interrupted generation")
             self._replacing(lambda: self.engine.restore(cid))
             rec = self._interrupted.pop(cid)
-            gen = self._start(rec.remaining, rec.sampling, rec.stamp_ns, rec.generated)
+            gen = self._start(rec.remaining, rec.sampling, rec.stamp_ns, rec.generated, rec.output_type)
             fields.update(result_id=cid, request_id=gen.request_id,
                           message=f"request {gen.request_id} resumes request {rec.request_id} "
                                   f"with {rec.remaining} tokens left")

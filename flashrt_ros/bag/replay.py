@@ -93,6 +93,8 @@ def replay_offline(header: BagHeader, script: list[Call], *, allow_model_change:
     outputs = {topic: [] for topic, _ in _CONVERSIONS.values()}
 
     def emit(output):
+        if type(output) not in _CONVERSIONS:      # a TypedOutput: its text is on ~/tokens, which the bag holds
+            return
         topic, msg = to_message(output)
         outputs[topic].append(msg)
 

@@ -26,6 +26,8 @@ from .capsule.live import LiveCopier
 from .capsule.store import CapsuleStore
 from .checksum import checksum
 from .config import PRESETS
+from . import constraint as constraints
+from .constraint import Constraint, ConstraintState
 from .errors import ErrorCode, FlashRTError
 from .graphs import GraphRunner
 from .kernels import quant_gemv
@@ -146,6 +148,12 @@ class Engine:
         self.model.bind(self.arena, self.kernels)
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
         self._sampling: SamplingParams | None = None
+        # constrained decoding: the static mask the decode step reads, the live matcher, each capsule's matcher state
+        self._mask_words = constraints.mask_words(self.model_config.vocab_size, self.device)
+        self._mask_lookup = constraints.mask_lookup(self.model_config.vocab_size, self.device)
+        self.constraint: Constraint | None = None
+        self._capsule_constraints: dict[str, ConstraintState] = {}
+        self._llg_tokenizer = None
         self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET), dtype=torch.int64, device=self.device)
         self._count = torch.ones((), dtype=torch.int64, device=self.device)  # real tokens of a small piece
         self.fingerprint = self._compute_fingerprint(dtype)
@@ -245,7 +253,7 @@ class Engine:
 
     def _decode_step(self, greedy: bool, kv_len: int):
         def step():
-            logits = self.model.logits()
+            logits = constraints.apply_mask(self.model.logits(), self._mask_words, self._mask_lookup)
             token = self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
             self._tokens[:1].copy_(token)
             self.model.forward(self._tokens[:1], kv_len)
@@ -348,6 +356,7 @@ class Engine:
         start = self.position
         ids = self._check_tokens(token_ids, start)
         if ids:
+            self.constrain(None)              # the stream left the constrained generation
             self.live.rows.truncate(start)
             self._moved_to(None)
             self._feed(start, ids)
@@ -380,8 +389,14 @@ class Engine:
             kv_len = self._kv_bucket(position + 1)
             self.live.rows.truncate(position)
             self._moved_to(None)
+            if self.constraint is not None:
+                self.constraint.fill_mask(self._mask_words)
             self.graphs.run(("decode", params.greedy, kv_len), self._decode_step(params.greedy, kv_len))
             token = int(self._tokens[0])
+            if self.constraint is not None:
+                self.constraint.accept(token)
+                if self.constraint.stopped:
+                    stops = stops | {token}
             self._moved_to(position + 1)
             self._push_boundary(position + 1)
             elapsed = time.perf_counter() - started
@@ -393,6 +408,29 @@ class Engine:
             yield token
             if token in stops:
                 return
+
+    # ---- constrained decoding -----------------------------------------------------------------------------
+    def compile_constraint(self, kind: str, text: str) -> ConstraintState:
+        """Check a grammar against this engine's tokenizer (INVALID_ARGUMENT with the library's message); changes
+        nothing live."""
+        state = ConstraintState(constraints.compile_grammar(kind, text))
+        Constraint(self._llg(), state)
+        return state
+
+    def constrain(self, state: ConstraintState | None) -> None:
+        """Constrain the next generated tokens (None: unconstrained). The matcher is live state: snapshots keep it,
+        restores, forks and rollbacks bring it back."""
+        self.constraint = None if state is None else Constraint(self._llg(), state)
+        if state is None:
+            self._mask_words.fill_(-1)
+
+    def _llg(self):
+        if self._llg_tokenizer is None:       # built once (for an HF vocabulary it takes about a second)
+            self._llg_tokenizer = constraints.llg_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._llg_tokenizer
+
+    def _load_constraint(self, capsule_id: str) -> None:
+        self.constrain(self._capsule_constraints.get(capsule_id))
 
     @torch.inference_mode()
     def peek_token(self) -> int:
@@ -410,6 +448,7 @@ class Engine:
         self.arena.storage.zero_()
         self.arena["meta"][RNG_SEED] = self.config.seed
         self._moved_to(0)
+        self.constrain(None)
         self.live_parent = ""
         self.live.rows.clear()
         self._restart_history()
@@ -440,6 +479,8 @@ class Engine:
                            created=time.time())
         self.store.add_rows(info, self.fingerprint, rows, lineage_parent=parent)
         self.live.taken(rows, position)
+        if self.constraint is not None:
+            self._capsule_constraints[new_id] = self.constraint.state()
         return self.store.info(new_id)
 
     @torch.inference_mode()
@@ -495,6 +536,7 @@ class Engine:
         self._moved_to(position)
         self.live_parent = capsule.info.id
         self.store.touch(capsule.info.id)
+        self._load_constraint(capsule.info.id)
         self._restart_history(None if kv_only else capsule.rows[FIXED][0][0])
 
     @torch.inference_mode()
@@ -518,6 +560,8 @@ class Engine:
         self.capsule_manager.make_room(0, label, keep_ids=(source_id,))
         info = dataclasses.replace(source.info, id=new_id, parent=source_id, label=label, created=time.time())
         self.store.add_rows(info, source.fingerprint, dict(source.rows), lineage_parent=source_id)  # all shared
+        if source_id in self._capsule_constraints:
+            self._capsule_constraints[new_id] = self._capsule_constraints[source_id]
         self.store.touch(source_id)
         if switch:
             self._load(self.store.get(new_id))
@@ -543,6 +587,11 @@ class Engine:
                                                      f"are kept; cannot go back {steps}")
         for _ in range(steps):
             self._boundaries.pop()
+        if self.constraint is not None:       # generated tokens are one boundary each; before them, no constraint
+            if steps <= len(self.constraint.tokens):
+                self.constraint.rollback(steps)
+            else:
+                self.constrain(None)
         target = self._boundaries[-1]
         position = target.position
         self._moved_to(None)
@@ -569,6 +618,7 @@ class Engine:
     def drop(self, capsule_id: str) -> int:
         """Free a capsule. The live state and other capsules then descend from its nearest stored ancestor."""
         freed, parent = self.capsule_manager.drop(capsule_id)
+        self._capsule_constraints.pop(capsule_id, None)
         if self.live_parent == capsule_id:
             self.live_parent = parent
         return freed

@@ -34,6 +34,10 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what llguidance builds its tokenizer from)."""
+        return self._tok.to_str()
+
 
 class NoTokenizer:
     """For a checkpoint without tokenizer.json (what ``save_pretrained`` of a bare model gives): ids only."""

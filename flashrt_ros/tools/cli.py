@@ -14,7 +14,7 @@ from flashrt_ros.runtime.engine import _DTYPES, Engine, EngineConfig
 from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
 from flashrt_ros.runtime.sampler import SamplingParams
 
-from . import bench_capsules, bench_quant, plan
+from . import bench_capsules, bench_constraint, bench_quant, plan
 from .bench import bench_context, cold_prefill_profile, markdown_table
 from .verify import verify
 
@@ -116,6 +116,14 @@ def cmd_bench_capsules(args) -> dict:
     return _report(result, bench_capsules.markdown(result), args.out)
 
 
+def cmd_bench_constraint(args) -> dict:
+    engine = Engine(_config(args, 4 * args.decode_tokens + 256, 256, 64, checksum=False))
+    result = {"model": args.model, "device": args.device, "dtype": args.dtype, "kernels": engine.kernel_name,
+              "cuda_graphs": len(engine.graphs.graphs),
+              **bench_constraint.run(engine, args.decode_tokens, args.repeats, args.temperature)}
+    return _report(result, bench_constraint.markdown(result), args.out)
+
+
 def cmd_plan(args) -> dict:
     rows = []
     for preset in args.presets.split(","):
@@ -185,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--host-budget-mb", type=int, default=8192, help="pinned host tier (discrete GPUs)")
     bc.add_argument("--out", help="write the JSON result here too")
     bc.set_defaults(func=cmd_bench_capsules)
+    bk = sub.add_parser("bench-constraint", help="decode with and without a JSON schema constraint; mask time per token")
+    _engine_args(bk)
+    bk.add_argument("--decode-tokens", type=int, default=128)
+    bk.add_argument("--repeats", type=int, default=5)
+    bk.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    bk.add_argument("--out", help="write the JSON result here too")
+    bk.set_defaults(func=cmd_bench_constraint)
     pl = sub.add_parser("plan", help="weights + arena + history + capsule budget per preset and format, against a "
                                      "memory size (default: Thor's 128 GB); nothing is loaded")
     pl.add_argument("--presets", default=",".join(p for p in PRESETS if p != "tiny"))

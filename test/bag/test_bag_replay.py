@@ -10,6 +10,7 @@ running (the interrupt arrives before the first token of the interrupted request
 can reproduce it exactly. A second recording places a snapshot and a rollback mid-generation,
 which offline replay reproduces at the same token boundary.
 """
+import json
 import shutil
 import signal
 import subprocess
@@ -295,6 +296,33 @@ def test_live_replay_places_mid_generation_operations_exactly(mid_generation_bag
         code = replay(mid_generation_bag, "--live", "--node", "/t_bag_mid_live/flashrt")
     out = capsys.readouterr().out
     assert code == 0 and "RESULT: identical" in out and "note:" not in out, out
+
+
+@pytest.fixture(scope="module")
+def typed_bag(ros_context, tmp_path_factory):
+    """A recording of constrained goals: a Twist, one preempted mid-constraint and resumed, one cut short."""
+    with recorded(ros_context, tmp_path_factory.mktemp("typed"), "/t_bag_typed") as (client, bag):
+        twist = client.generate("go", 256, output_type="geometry_msgs/msg/Twist")
+        assert twist.finish_reason == "stop" and json.loads(twist.text)["linear"]
+        goal = goal_of(client, "go", 256)
+        goal.output_type = "geometry_msgs/msg/Twist"
+        client.wait(client.send_goal(goal))
+        client.wait_tokens(stamp_ns=stamp_ns(goal), min_tokens=8)
+        stop = client.publish(client.observation(" Stop!", max_new_tokens=4, priority=URGENT))
+        assert client.wait_tokens(stamp_ns=stamp_ns(goal)).finish_reason == "preempted"
+        client.wait_tokens(stamp_ns=stop)
+        resumed = client.resume()
+        assert client.wait_tokens(request_id=resumed.request_id).finish_reason == "stop"
+        assert client.generate("go", 8, output_type="geometry_msgs/msg/Twist").finish_reason == "incomplete"
+    return bag
+
+
+def test_a_constrained_session_replays_offline_identically(typed_bag, capsys):
+    events = [r.msg for r in read_bag(typed_bag)[1] if r.topic == "events"]
+    assert [e.output_type for e in events if e.op == "generate"] == ["geometry_msgs/msg/Twist"] * 3
+    assert "preempt" in [e.op for e in events] and "resume" in [e.op for e in events]
+    assert replay(typed_bag, "--offline") == 0
+    assert "RESULT: identical" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import inspect
 import pytest
 
 from flashrt_ros.msg import StateEvent
-from flashrt_ros.operations import OPERATIONS, READ_ONLY, SAMPLING_FIELDS, resolve_type, services
+from flashrt_ros.operations import CONSTRAINT_FIELDS, OPERATIONS, READ_ONLY, SAMPLING_FIELDS, resolve_type, services
 from flashrt_ros.session import EventOutput, Session
 
 OPS = list(OPERATIONS.values())
@@ -38,7 +38,7 @@ def test_service_request_and_response_match_the_table(op):
 
 def test_generate_event_fields_are_the_goal_fields():
     goal = resolve_type("flashrt_ros/action/Generate").Goal.get_fields_and_field_types()
-    assert set(OPERATIONS["generate"].fields) == {"observation", *SAMPLING_FIELDS} == set(goal)
+    assert set(OPERATIONS["generate"].fields) == {"observation", *SAMPLING_FIELDS, *CONSTRAINT_FIELDS} == set(goal)
 
 
 def test_every_state_changing_operation_leaves_an_event():

@@ -54,6 +54,7 @@ def expected(line: str, output: str) -> None:
         assert "Goal accepted" in output, output
         assert f"Goal finished with status: {'ABORTED' if refused else 'SUCCEEDED'}" in output, output
         assert "--feedback" not in line or "Feedback:" in output, output
+        assert "output_type" not in line or "finish_reason: stop" in output, output   # a complete message
     else:
         assert ("Setting parameter failed" if refused else "Set parameter successful") in output, output
 
