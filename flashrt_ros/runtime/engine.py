@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import itertools
 import operator
 import time
 from collections import deque
@@ -32,10 +33,12 @@ from . import kernels as kernel_sets
 from . import platform, quant
 from .model import PIECE_BUCKET, SMALL_PIECE
 from .sampler import Sampler, SamplingParams
+from .speculative import MAX_SPECULATIVE_TOKENS, STEP_ROWS, Stats, Stepper
 from .tokenizer import load_tokenizer
 from .weights import load_model, random_model, weights_digest
 
-PLAN_VERSION = "flashrt-plan-2"   # 2: fused projections, padded piece buckets, fixed 64-row delta-rule chunks
+# 2: fused projections, padded piece buckets, fixed 64-row delta-rule chunks; 3: decode as a STEP_ROWS-row step
+PLAN_VERSION = "flashrt-plan-3"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MIN_KV_BUCKET = 256
 _log = logging.getLogger("flashrt.runtime")
@@ -62,6 +65,7 @@ class EngineConfig:
     capsule_key_file: str = ""          # HMAC key that signs and checks capsule files ("" = unsigned files)
     capsule_evict_policy: str = "refuse"    # refuse | lru: spill least-recently-used unpinned capsules down a tier
     capsule_host_budget_bytes: int = 1 << 30   # pinned host tier (discrete GPUs only; 0 = none)
+    speculative_tokens: int = 0         # MTP drafts verified per decode step (0 = off; see speculative.py)
 
     def validate(self) -> "EngineConfig":
         def bad(why):
@@ -83,6 +87,8 @@ class EngineConfig:
                       f"got {self.capsule_evict_policy!r}")
         if self.capsule_host_budget_bytes < 0:
             raise bad("capsule_host_budget_bytes must be >= 0")
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise bad(f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}")
         if not 0.0 <= self.capsule_budget_fraction <= 1.0:
             raise bad(f"capsule_budget_fraction must be in [0, 1], got {self.capsule_budget_fraction}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -144,9 +150,16 @@ class Engine:
         _log.info("kernels: %s (%s)", self.kernels.name, self.kernel_reason)
         self.kernel_name = self.kernels.name
         self.model.bind(self.arena, self.kernels)
+        if cfg.speculative_tokens and not self.model_config.mtp_num_hidden_layers:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"speculative_tokens {cfg.speculative_tokens} needs the "
+                                                           f"model's MTP head, and {cfg.model!r} has none")
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
         self._sampling: SamplingParams | None = None
-        self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET), dtype=torch.int64, device=self.device)
+        self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET, STEP_ROWS), dtype=torch.int64,
+                                   device=self.device)
+        self.stepper = Stepper(self.model, self.sampler, self._tokens)
+        self.speculative_stats = Stats()          # since start
+        self.generation_stats = Stats()           # of the last generate call
         self._count = torch.ones((), dtype=torch.int64, device=self.device)  # real tokens of a small piece
         self.fingerprint = self._compute_fingerprint(dtype)
         self.layout = Layout.of(self.arena)
@@ -218,7 +231,9 @@ class Engine:
                 "capsule_count": len(self.store.infos()), "capsule_host_bytes": self.store.host_bytes,
                 "capsule_tiers": ",".join(self.tiers.names), "kernel": self.kernel_name,
                 "kernel_reason": self.kernel_reason, "weights_format": self.weights_format,
-                "cuda_graphs": len(self.graphs.graphs), **self.platform.diagnostics()}
+                "cuda_graphs": len(self.graphs.graphs), "speculative_tokens": self.config.speculative_tokens,
+                "acceptance_rate": self.speculative_stats.acceptance_rate,
+                "tokens_per_step": self.speculative_stats.tokens_per_step, **self.platform.diagnostics()}
 
     # ---- execution ---------------------------------------------------------------------------------------
     def _kv_bucket_sizes(self) -> list[int]:
@@ -239,14 +254,6 @@ class Engine:
         return list(range(PIECE_BUCKET, _piece_bucket(min(SMALL_PIECE, self.config.prefill_chunk)) + 1,
                           PIECE_BUCKET))
 
-    def _decode_step(self, greedy: bool, kv_len: int):
-        def step():
-            logits = self.model.logits()
-            token = self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
-            self._tokens[:1].copy_(token)
-            self.model.forward(self._tokens[:1], kv_len)
-        return step
-
     def _warm_up(self) -> None:
         """Run one eager long piece, so its kernels compile (Triton JIT, autotuning) before any request. Mutates
         the arena (reset afterwards)."""
@@ -256,8 +263,8 @@ class Engine:
             self.model.forward(self._tokens[:length], length, dense=True)
 
     def _capture_graphs(self) -> None:
-        """Capture decode (greedy and sampled) and every small-piece bucket for every KV bucket, after the eager
-        warm-up has compiled their kernels. Mutates the arena.
+        """Capture the decode step (greedy and sampled, with 0 .. speculative_tokens drafts) and every small-piece
+        bucket for every KV bucket, after the eager warm-up has compiled their kernels. Mutates the arena.
 
         Larger pieces run eagerly: they are compute-bound, so a graph would save nothing measurable."""
         def prepare():
@@ -265,8 +272,9 @@ class Engine:
             self._tokens.zero_()
             self._count.fill_(1)
         for kv_len in self.kv_buckets:
-            for greedy in (True, False):
-                self.graphs.capture(("decode", greedy, kv_len), self._decode_step(greedy, kv_len), prepare)
+            for greedy, k in itertools.product((True, False), range(self.config.speculative_tokens + 1)):
+                self.stepper.count.fill_(k + 1)
+                self.graphs.capture(("step", k, greedy, kv_len), self.stepper.step(k, greedy, kv_len), prepare)
             for bucket in self._piece_buckets():
                 self.graphs.capture(("piece", bucket, kv_len), self._piece_step(bucket, kv_len), prepare)
         torch.cuda.synchronize(self.device)
@@ -362,9 +370,22 @@ class Engine:
         stops = set(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
         return self._generate(max_new_tokens, params, stops)
 
+    def _drafts(self, position: int, remaining: int) -> int:
+        """How many drafts the step at ``position`` verifies: the configured number, fewer where the context, the
+        tokens still wanted or the first row's KV bucket (which every row attends over) end sooner."""
+        bucket = self._kv_bucket(position + 1)
+        return max(0, min(self.config.speculative_tokens, remaining - 1, self.max_context - position - 1,
+                          bucket - position - 1))
+
     @torch.inference_mode()
     def _generate(self, max_new_tokens: int, params: SamplingParams, stops: set[int]) -> Iterator[int]:
-        for index in range(max_new_tokens):
+        """Steps of 1 + accepted drafts tokens; each token is its own commit boundary: before it is yielded the
+        state after it is made live, so any operation between two yields sees the state of plain decoding there.
+        When one replaces the live state (a restore, rollback, ingest...), the step's remaining tokens are dropped
+        and the next step starts from the new live state."""
+        self.generation_stats = Stats()
+        produced = 0
+        while produced < max_new_tokens:
             position = self.position
             if position >= self.max_context:
                 return
@@ -372,22 +393,37 @@ class Engine:
             if params != self._sampling:
                 self.sampler.configure(params)
                 self._sampling = params
+            drafts = self._drafts(position, max_new_tokens - produced)
             kv_len = self._kv_bucket(position + 1)
             self._live_rows.truncate(position)
             self._moved_to(None)
-            self.graphs.run(("decode", params.greedy, kv_len), self._decode_step(params.greedy, kv_len))
-            token = int(self._tokens[0])
-            self._moved_to(position + 1)
-            self._push_boundary(position + 1)
+            self.stepper.count.fill_(drafts + 1)
+            self.graphs.run(("step", drafts, params.greedy, kv_len), self.stepper.step(drafts, params.greedy, kv_len))
+            tokens = self._tokens[:drafts + 1].tolist()
+            committed = int(self.stepper.committed) if drafts else 1
+            self.stepper.invalidate(position + committed, position + drafts + 1)
             elapsed = time.perf_counter() - started
-            if index == 0:
+            for stats in (self.speculative_stats, self.generation_stats):
+                stats.add(drafts, committed)
+            steps = self.generation_stats.steps
+            if steps == 1:
                 self.stats_ttft_ms = 1000.0 * (self._last_ingest_s + elapsed)
             else:
-                rate = 1.0 / max(elapsed, 1e-9)
-                self.stats_tokens_per_s = rate if index == 1 else 0.9 * self.stats_tokens_per_s + 0.1 * rate
-            yield token
-            if token in stops:
-                return
+                rate = committed / max(elapsed, 1e-9)
+                self.stats_tokens_per_s = rate if steps == 2 else 0.9 * self.stats_tokens_per_s + 0.1 * rate
+            for row, token in enumerate(tokens[:committed]):
+                if drafts:
+                    self.stepper.commit(row)
+                self._moved_to(position + row + 1)
+                self._push_boundary(position + row + 1)
+                boundary = self._boundaries[-1]
+                produced += 1
+                yield token
+                if token in stops:
+                    self.stepper.invalidate(position + row + 1, position + committed)
+                    return
+                if self._boundaries[-1] is not boundary:     # the live state was replaced meanwhile
+                    break
 
     @torch.inference_mode()
     def peek_token(self) -> int:
