@@ -148,6 +148,8 @@ class GenerationResult:
     ttft_ms: float
     error_code: ErrorCode
     message: str
+    acceptance_rate: float = 0.0     # speculative decoding: accepted / drafted MTP tokens (0 when off)
+    tokens_per_step: float = 0.0     # tokens per decode step (1 without speculation)
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,8 @@ class Generation:
                 session._active = None
             self.outcome.set_result(GenerationResult(
                 self.request_id, list(self._ids), engine.tokenizer.decode(self._ids) if self._ids else "",
-                reason, engine.position, self._ttft_ms, code, message))
+                reason, engine.position, self._ttft_ms, code, message, engine.generation_stats.acceptance_rate,
+                engine.generation_stats.tokens_per_step))
         return False
 
     def _close_iter(self) -> None:
