@@ -1,4 +1,5 @@
-"""``flashrt-runtime`` (also ``python -m flashrt_ros.tools``): generate, verify, bench. JSON on stdout."""
+"""``flashrt-runtime`` (also ``python -m flashrt_ros.tools``): generate, verify, bench, bench-quant, bench-spec,
+bench-capsules. JSON on stdout."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ from flashrt_ros.runtime.engine import Engine, EngineConfig
 from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
 from flashrt_ros.runtime.sampler import SamplingParams
 
-from . import bench_capsules, bench_quant
+from . import bench_capsules, bench_quant, bench_spec
 from .bench import bench_context, cold_prefill_profile, markdown_table
 from .verify import verify
 
@@ -104,6 +105,19 @@ def cmd_bench_quant(args) -> dict:
     return result
 
 
+def cmd_bench_spec(args) -> dict:
+    cfg = bench_spec.SpecBenchConfig(
+        engine=_config(args, args.context + args.decode_tokens + 8, 64, 64, checksum=False),
+        drafts=tuple(int(d) for d in args.drafts.split(",")), prompts=args.prompts, context=args.context,
+        decode_tokens=args.decode_tokens, repeats=args.repeats, text=args.text)
+    result = bench_spec.run(cfg)
+    print(bench_spec.markdown(result), file=sys.stderr)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
 def cmd_bench_capsules(args) -> dict:
     folder = args.capsule_dir or tempfile.mkdtemp(prefix="flashrt-bench-capsules-")
     config = dataclasses.replace(_config(args, args.context + args.branch_tokens + 8, 256, 1 << 20),
@@ -160,6 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--repeats", type=int, default=10)
     bq.add_argument("--out", help="write the JSON result here too")
     bq.set_defaults(func=cmd_bench_quant)
+    bs = sub.add_parser("bench-spec", help="MTP speculative decoding against plain: acceptance, tokens/s")
+    _engine_args(bs)
+    bs.add_argument("--drafts", default="0,1,2,3,4", help="speculative_tokens values; 0 (plain) is the baseline")
+    bs.add_argument("--prompts", type=int, default=4)
+    bs.add_argument("--context", type=int, default=64, help="prompt tokens")
+    bs.add_argument("--decode-tokens", type=int, default=64)
+    bs.add_argument("--repeats", type=int, default=3)
+    bs.add_argument("--text", default="", help="prompts from this text file (a trained model's heldout.txt); else "
+                    "random ids")
+    bs.add_argument("--out", help="write the JSON result here too")
+    bs.set_defaults(func=cmd_bench_spec)
     bc = sub.add_parser("bench-capsules", help="delta capsules, sibling restore, spill/fetch per tier, files")
     _engine_args(bc)
     bc.add_argument("--context", type=int, default=1024, help="tokens of the planner's root")
