@@ -1,5 +1,5 @@
 """Fidelity of the weight formats on a model trained here (bench/train_tiny_lm.py, a few seconds on one CPU thread),
-through ``bench-quant --fidelity-text`` (the ``trained`` fixture of conftest.py): prompt and forced tokens from held-out text, in the model's own tokenizer.
+through ``bench-quant --fidelity-text`` (the ``trained`` fixture of test/conftest.py): prompt and forced tokens from held-out text, in the model's own tokenizer.
 
 Random weights have nearly flat logits, where any rounding flips the argmax (test_runtime_quant.py can only check
 that the formats are ordered there); a trained model predicts confidently where its text is predictable, so here a

@@ -200,3 +200,34 @@ def test_speculation_against_plain_decoding_stateful(trained):
         max_examples=6, stateful_step_count=8, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     SpeculationAgainstPlain.TestCase().runTest()
+
+
+def test_session_preempts_and_resumes_a_speculative_stream_and_reports_its_figures(trained):
+    """The node's Session on a speculative engine: a request preempted between two tokens of a step and resumed
+    gives plain decoding's tokens, and each result carries the request's acceptance rate and tokens per step."""
+    from flashrt_ros.discretiser import Discretiser
+    from flashrt_ros.session import PRIORITY_URGENT, ObservationInput, Session
+
+    folder, _ = trained
+    plain, spec = engine(folder, 0), engine(folder, 3)
+    prompt = prompts(folder, plain, 2, 30)
+    want = run(plain, prompt[0], 24)[0]
+
+    def finish(generation):
+        while generation.step():
+            pass
+        return generation.outcome.result()
+
+    session = Session(spec, discretiser=Discretiser(bins=8, token_offset=0), emit=lambda _: None,
+                      stream_chunk_tokens=4)
+    first = session.observe(ObservationInput(token_ids=prompt[0], max_new_tokens=24))
+    for _ in range(2):                 # two chunks of 4: token 8 is inside a step of 1 + 3 drafts at most
+        first.step()
+    finish(session.observe(ObservationInput(token_ids=prompt[1][:5], max_new_tokens=3, priority=PRIORITY_URGENT)))
+    interrupted = first.outcome.result()
+    session.resume()
+    resumed = finish(session.active)
+    assert interrupted.token_ids + resumed.token_ids == want
+    assert resumed.tokens_per_step > 1 and 0 < resumed.acceptance_rate <= 1
+    stats = spec.generation_stats
+    assert (resumed.acceptance_rate, resumed.tokens_per_step) == (stats.acceptance_rate, stats.tokens_per_step)
