@@ -109,7 +109,8 @@ def cmd_bench_spec(args) -> dict:
     cfg = bench_spec.SpecBenchConfig(
         engine=_config(args, args.context + args.decode_tokens + 8, 64, 64, checksum=False),
         drafts=tuple(int(d) for d in args.drafts.split(",")), prompts=args.prompts, context=args.context,
-        decode_tokens=args.decode_tokens, repeats=args.repeats, text=args.text)
+        decode_tokens=args.decode_tokens, repeats=args.repeats, text=args.text,
+        assumed_acceptance=args.assumed_acceptance)
     result = bench_spec.run(cfg)
     print(bench_spec.markdown(result), file=sys.stderr)
     if args.out:
@@ -183,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--repeats", type=int, default=3)
     bs.add_argument("--text", default="", help="prompts from this text file (a trained model's heldout.txt); else "
                     "random ids")
+    bs.add_argument("--assumed-acceptance", type=float, default=0.0,
+                    help="also project tok/s at this per-draft acceptance (for random-weight shape presets)")
     bs.add_argument("--out", help="write the JSON result here too")
     bs.set_defaults(func=cmd_bench_spec)
     bc = sub.add_parser("bench-capsules", help="delta capsules, sibling restore, spill/fetch per tier, files")

@@ -62,6 +62,8 @@ def test_greedy_speculation_is_token_and_byte_identical_to_plain_decoding(traine
         assert spec.fingerprint == plain.fingerprint      # capsules move between the two
         for (prompt, tokens), want in zip(cases, wants):
             assert_same_stream(run(spec, prompt, tokens), want)
+            for name in ("kv", "mtp_kv"):     # rows of rejected drafts are zeroed (after reset: all past the end)
+                assert not spec.arena[name][spec.position:].any(), name
         stats = spec.speculative_stats
         assert stats.accepted >= 10 and stats.tokens_per_step > 1.1, stats    # many verify rows were committed
         # the whole arena too: rejected KV rows are zeroed, so nothing past the position differs either
