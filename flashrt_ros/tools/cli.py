@@ -85,9 +85,14 @@ def cmd_bench(args) -> dict:
     if args.profile:
         result["cold_prefill_profile"] = {"context": max(contexts),
                                           "top": cold_prefill_profile(engine, max(contexts))}
-    print(markdown_table(rows), file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
+    return _report(result, markdown_table(rows), args.out)
+
+
+def _report(result: dict, table: str, out: str | None) -> dict:
+    """The table on stderr, the JSON into ``out`` too (if given); returns the result (printed by main)."""
+    print(table, file=sys.stderr)
+    if out:
+        with open(out, "w") as f:
             json.dump(result, f, indent=2)
     return result
 
@@ -98,11 +103,7 @@ def cmd_bench_quant(args) -> dict:
         context=args.context, decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens,
         fidelity_tokens=args.fidelity_tokens, fidelity_text=args.fidelity_text, repeats=args.repeats)
     result = bench_quant.run(cfg)
-    print(bench_quant.markdown(result), file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return _report(result, bench_quant.markdown(result), args.out)
 
 
 def cmd_bench_spec(args) -> dict:
@@ -112,11 +113,7 @@ def cmd_bench_spec(args) -> dict:
         decode_tokens=args.decode_tokens, repeats=args.repeats, text=args.text,
         assumed_acceptance=args.assumed_acceptance)
     result = bench_spec.run(cfg)
-    print(bench_spec.markdown(result), file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return _report(result, bench_spec.markdown(result), args.out)
 
 
 def cmd_bench_capsules(args) -> dict:
@@ -126,11 +123,7 @@ def cmd_bench_capsules(args) -> dict:
     engine = Engine(config)
     result = {"model": args.model, "device": args.device, "dtype": args.dtype, "capsule_dir": folder,
               **bench_capsules.run(engine, args.context, args.branches, args.branch_tokens, args.repeats)}
-    print(bench_capsules.markdown(result), file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return _report(result, bench_capsules.markdown(result), args.out)
 
 
 def build_parser() -> argparse.ArgumentParser:
