@@ -47,28 +47,37 @@ def assert_same_stream(got, want):
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 def test_greedy_speculation_is_token_and_byte_identical_to_plain_decoding(trained, kernels):
     """k = 1..4, three prompts, at a short and a long context (the long one crosses a KV bucket, where drafts stop
-    at the bucket's end): tokens and the live state after every token equal plain decoding's; the drafts were
-    accepted often (else nothing was rolled back or committed from a verify row)."""
+    at the bucket's end): tokens and the live state after every token equal plain decoding's, and so does the state
+    at a stop token inside a step; the drafts were accepted often (else no verify row was committed). With Triton's
+    interpreter one short case, 1 and 4 drafts."""
     if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on the CPU runs through its interpreter (test/conftest.py sets TRITON_INTERPRET=1)")
     folder, _ = trained
     plain = engine(folder, 0, kernels=kernels)
     cases = [(p, 24) for p in prompts(folder, plain, 3, 20)] + [(p, 12) for p in prompts(folder, plain, 1, 250)]
-    if kernels == "triton":    # the interpreter is slow: one short and the long case
-        cases = cases[:1] + cases[-1:]
+    drafts = range(1, 5)
+    if kernels == "triton":    # the interpreter is slow (all cases ran past 15 minutes): one short case, 1 and 4 drafts
+        cases, drafts = [(cases[0][0][:12], 10)], (1, 4)
     wants = [run(plain, prompt, tokens) for prompt, tokens in cases]
-    for k in range(1, 5):
+    for k in drafts:
         spec = engine(folder, k, kernels=kernels)
         assert spec.fingerprint == plain.fingerprint      # capsules move between the two
         for (prompt, tokens), want in zip(cases, wants):
             assert_same_stream(run(spec, prompt, tokens), want)
-            for name in ("kv", "mtp_kv"):     # rows of rejected drafts are zeroed (after reset: all past the end)
+            run(plain, prompt, tokens)      # the whole arena too: nothing past the position differs either
+            assert torch.equal(spec.arena.storage, plain.arena.storage)
+            # a stop token inside a step: the state is plain decoding's there, and the KV rows the step wrote past
+            # it (accepted or rejected drafts) are zeroed, so after the reset nothing is left past the position
+            stop = want[0][tokens // 2]
+            cut = want[0].index(stop) + 1
+            spec.reset()
+            spec.ingest(prompt)
+            assert list(spec.generate(tokens, stop_token_ids=[stop])) == want[0][:cut]
+            assert torch.equal(spec.live_bytes(), want[1][cut - 1])
+            for name in ("kv", "mtp_kv"):
                 assert not spec.arena[name][spec.position:].any(), name
         stats = spec.speculative_stats
-        assert stats.accepted >= 10 and stats.tokens_per_step > 1.1, stats    # many verify rows were committed
-        # the whole arena too: rejected KV rows are zeroed, so nothing past the position differs either
-        run(plain, cases[-1][0], cases[-1][1])
-        assert torch.equal(spec.arena.storage, plain.arena.storage)
+        assert stats.accepted >= (10 if kernels == "reference" else 2) and stats.tokens_per_step > 1.1, stats
 
 
 def test_seeded_sampling_is_the_plain_draw_and_replays_from_a_capsule(trained, tmp_path):
