@@ -37,8 +37,10 @@ from .speculative import MAX_SPECULATIVE_TOKENS, STEP_ROWS, Stats, Stepper
 from .tokenizer import load_tokenizer
 from .weights import load_model, random_model, weights_digest
 
-# 2: fused projections, padded piece buckets, fixed 64-row delta-rule chunks; 3: decode as a STEP_ROWS-row step
-PLAN_VERSION = "flashrt-plan-3"
+PLAN_VERSION = "flashrt-plan-2"   # 2: fused projections, padded piece buckets, fixed 64-row delta-rule chunks
+# speculative_tokens > 0: every decode step is a STEP_ROWS-row step (speculative.py), whose bytes differ from the
+# one-row step's, so capsules of the two plans are told apart by their fingerprints
+SPECULATIVE_PLAN_VERSION = "flashrt-plan-3-spec"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MIN_KV_BUCKET = 256
 _log = logging.getLogger("flashrt.runtime")
@@ -157,11 +159,14 @@ class Engine:
         self._sampling: SamplingParams | None = None
         self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET, STEP_ROWS), dtype=torch.int64,
                                    device=self.device)
-        self.stepper = Stepper(self.model, self.sampler, self._tokens)
+        # the speculative plan's steps (None: main's one-row decode step, see _decode_step)
+        self.stepper = Stepper(self.model, self.sampler, self._tokens) if cfg.speculative_tokens else None
         self.speculative_stats = Stats()          # since start
         self.generation_stats = Stats()           # of the last generate call
         self._count = torch.ones((), dtype=torch.int64, device=self.device)  # real tokens of a small piece
-        self.fingerprint = self._compute_fingerprint(dtype)
+        self.plan = SPECULATIVE_PLAN_VERSION if cfg.speculative_tokens else PLAN_VERSION
+        self._fingerprints = self._compute_fingerprints(dtype)      # of either plan, to name a mismatch
+        self.fingerprint = self._fingerprints[self.plan]
         self.layout = Layout.of(self.arena)
         self.store = DeltaStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
                                                               self.platform, platform.mem_available_bytes()),
@@ -254,6 +259,23 @@ class Engine:
         return list(range(PIECE_BUCKET, _piece_bucket(min(SMALL_PIECE, self.config.prefill_chunk)) + 1,
                           PIECE_BUCKET))
 
+    def _decode_step(self, greedy: bool, kv_len: int):
+        """The plain plan's decode step: one row (speculative_tokens 0)."""
+        def step():
+            logits = self.model.logits()
+            token = self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
+            self._tokens[:1].copy_(token)
+            self.model.forward(self._tokens[:1], kv_len)
+        return step
+
+    def _step(self, drafts: int, greedy: bool, kv_len: int):
+        """The graph key and the function of a decode step with ``drafts`` drafts: the plain plan's one-row step,
+        or the speculative plan's STEP_ROWS-row step (this sets its live row count, drafts + 1)."""
+        if self.stepper is None:
+            return ("decode", greedy, kv_len), self._decode_step(greedy, kv_len)
+        self.stepper.count.fill_(drafts + 1)
+        return ("step", drafts, greedy, kv_len), self.stepper.step(drafts, greedy, kv_len)
+
     def _warm_up(self) -> None:
         """Run one eager long piece, so its kernels compile (Triton JIT, autotuning) before any request. Mutates
         the arena (reset afterwards)."""
@@ -263,7 +285,7 @@ class Engine:
             self.model.forward(self._tokens[:length], length, dense=True)
 
     def _capture_graphs(self) -> None:
-        """Capture the decode step (greedy and sampled, with 0 .. speculative_tokens drafts) and every small-piece
+        """Capture the decode steps (greedy and sampled, with 0 .. speculative_tokens drafts) and every small-piece
         bucket for every KV bucket, after the eager warm-up has compiled their kernels. Mutates the arena.
 
         Larger pieces run eagerly: they are compute-bound, so a graph would save nothing measurable."""
@@ -273,8 +295,7 @@ class Engine:
             self._count.fill_(1)
         for kv_len in self.kv_buckets:
             for greedy, k in itertools.product((True, False), range(self.config.speculative_tokens + 1)):
-                self.stepper.count.fill_(k + 1)
-                self.graphs.capture(("step", k, greedy, kv_len), self.stepper.step(k, greedy, kv_len), prepare)
+                self.graphs.capture(*self._step(k, greedy, kv_len), prepare)
             for bucket in self._piece_buckets():
                 self.graphs.capture(("piece", bucket, kv_len), self._piece_step(bucket, kv_len), prepare)
         torch.cuda.synchronize(self.device)
@@ -397,11 +418,11 @@ class Engine:
             kv_len = self._kv_bucket(position + 1)
             self._live_rows.truncate(position)
             self._moved_to(None)
-            self.stepper.count.fill_(drafts + 1)
-            self.graphs.run(("step", drafts, params.greedy, kv_len), self.stepper.step(drafts, params.greedy, kv_len))
+            self.graphs.run(*self._step(drafts, params.greedy, kv_len))
             tokens = self._tokens[:drafts + 1].tolist()
             committed = int(self.stepper.committed) if drafts else 1
-            self.stepper.invalidate(position + committed, position + drafts + 1)
+            if drafts:
+                self.stepper.invalidate(position + committed, position + drafts + 1)
             elapsed = time.perf_counter() - started
             for stats in (self.speculative_stats, self.generation_stats):
                 stats.add(drafts, committed)
@@ -420,7 +441,8 @@ class Engine:
                 produced += 1
                 yield token
                 if token in stops:
-                    self.stepper.invalidate(position + row + 1, position + committed)
+                    if drafts:
+                        self.stepper.invalidate(position + row + 1, position + committed)
                     return
                 if self._boundaries[-1] is not boundary:     # the live state was replaced meanwhile
                     break
@@ -619,10 +641,7 @@ class Engine:
         """A capsule that may become live, on the device (fetched if it was spilled, unless not ``fetch``)."""
         self._settle()
         capsule = self.store.get(capsule_id)
-        if capsule.fingerprint != self.fingerprint:
-            raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
-                               f"capsule {capsule_id!r} was taken from another model, config or plan "
-                               f"(fingerprint {capsule.fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
+        self._check_fingerprint(f"capsule {capsule_id!r}", capsule.fingerprint)
         self._check_size(capsule.info, f"capsule {capsule_id!r}")
         if verify_checksum:
             if not capsule.info.checksum:
@@ -796,10 +815,7 @@ class Engine:
         if info.id != capsule_id:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"{capsule_id}.capsule holds capsule {info.id!r} "
                                                            f"(a renamed file): name it {info.id}.capsule")
-        if fingerprint != self.fingerprint:
-            raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
-                               f"capsule file {capsule_id!r} was taken from another model, config or plan "
-                               f"(fingerprint {fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
+        self._check_fingerprint(f"capsule file {capsule_id!r}", fingerprint)
         self._check_size(info, f"capsule file {capsule_id!r}")
         self.store.new_id(capsule_id, info.label)
         self._victims(info.nbytes, info.label)         # refuses unless it fits (after eviction, under lru)
@@ -820,11 +836,28 @@ class Engine:
         return self.store.info(capsule_id)
 
     # ---- identity ----------------------------------------------------------------------------------------
-    def _compute_fingerprint(self, dtype: torch.dtype) -> str:
+    def _compute_fingerprints(self, dtype: torch.dtype) -> dict[str, str]:
+        """The fingerprint of this model and config under each decode plan (the plain one is main's, unchanged)."""
         identity = {"weights": weights_digest(self.model), "config": self.model_config.to_json(),
-                    "manifest": self.arena.manifest_json(), "dtype": str(dtype), "plan": PLAN_VERSION,
+                    "manifest": self.arena.manifest_json(), "dtype": str(dtype),
                     "kernels": self.kernel_name, "device_type": self.device.type,
                     "prefill_chunk": self.config.prefill_chunk, "weights_format": self.weights_format}
         if self.config.weights_format != "dense":
             identity["gemv_table"] = quant_gemv.table_digest(self.device)
-        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+        return {plan: hashlib.sha256(json.dumps({**identity, "plan": plan}, sort_keys=True).encode()).hexdigest()
+                for plan in (PLAN_VERSION, SPECULATIVE_PLAN_VERSION)}
+
+    def _check_fingerprint(self, what: str, fingerprint: str) -> None:
+        """Refuse a capsule of another fingerprint; one that differs only by the decode plan (taken with
+        speculative_tokens 0 and restored with > 0, or the reverse) is named as such."""
+        if fingerprint == self.fingerprint:
+            return
+        why = "another model, config or plan"
+        other = next((plan for plan, value in self._fingerprints.items() if value == fingerprint), None)
+        if other is not None:
+            why = (f"this model by an engine whose decode plan differs ({other}, speculative_tokens "
+                   f"{'> 0' if other == SPECULATIVE_PLAN_VERSION else '0'}; this engine: {self.plan}, "
+                   f"speculative_tokens {self.config.speculative_tokens}): their steps give other bytes")
+        raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
+                           f"{what} was taken from {why} (fingerprint {fingerprint[:12]}..., "
+                           f"this engine {self.fingerprint[:12]}...)")
