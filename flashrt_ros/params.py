@@ -52,8 +52,8 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
      "least-recently-used unpinned capsules down a tier (pinned host, then capsule_dir)", None, ("refuse", "lru")),
     ("capsule_host_budget_mb", 1024, "pinned host memory capsules may spill to (discrete GPUs only; 0 = none)",
      (0, 1 << 22), None),
-    ("speculative_tokens", 0, "MTP drafts verified per decode step (0 = off; needs the model's MTP head); tokens "
-     "and state are those of plain decoding", (0, MAX_SPECULATIVE_TOKENS), None),
+    ("speculative_tokens", 0, "MTP drafts verified per decode step (0 = off; needs the model's MTP head); > 0 runs "
+     "5-row steps whose capsules do not move to an engine with 0 (another decode plan)", (0, MAX_SPECULATIVE_TOKENS), None),
     ("history_depth", 32, "commit boundaries kept for rollback(steps=k)", (1, 1 << 16), None),
     ("seed", 0, "weights seed for presets and the sampler seed after reset", (0, 2**63 - 1), None),
     ("sampling.temperature", 0.0, "default sampling temperature (0 = greedy)", (0.0, 100.0), None),
