@@ -1,5 +1,6 @@
 """Speculative decoding against plain decoding: acceptance rate, tokens per step, tokens/s and ms/token for each
-number of MTP drafts, on the same prompts, with the tokens checked identical to plain decoding's.
+number of MTP drafts, on the same prompts, with the tokens checked identical to plain decoding's (k = 0: the plain
+one-row plan; k > 0 runs the 5-row plan, whose greedy tokens may differ from it at a near tie, shown as "NO").
 
 Prompts come from a text file in the model's tokenizer (a trained model's held-out text: its MTP head then drafts
 tokens the model accepts) or are random ids. Each row decodes ``decode_tokens`` greedy tokens after each prompt; its
