@@ -21,7 +21,7 @@ engine = Engine(EngineConfig(model=preset, device="cuda", dtype="bfloat16", max_
 device = engine.device
 engine.ingest(prompt_tokens(engine.vocab_size, context, "profile"))
 engine.snapshot("base")
-decode = engine.graphs.graphs[("decode", True, engine._kv_bucket(context + 1))]
+decode = engine.graphs.graphs[("step", 0, True, engine._kv_bucket(context + 1))]
 piece = engine.graphs.graphs[("piece", _piece_bucket(suffix), engine._kv_bucket(context + suffix))]
 engine._count.fill_(suffix)
 steps = {"decode graph": decode.replay, f"piece graph ({suffix} tokens)": piece.replay,

@@ -12,13 +12,21 @@ name order; the last ``--heldout`` of its characters are held out. The tokenizer
 training part (``tokenizers``); the model is HF ``Qwen3_5ForCausalLM`` (transformers, a test-only dependency of
 this project), trained in fp32 with AdamW, seeded, so the same machine gives the same weights.
 
-OUT_DIR gets ``config.json`` + ``model.safetensors`` (``save_pretrained``), ``tokenizer.json`` (a folder the runtime
-loads like a real checkpoint), ``heldout.txt`` (for ``flashrt-runtime bench-quant --fidelity-text``) and
+With ``--mtp`` (the default) the multi-token-prediction head (``mtp.*``, as Qwen3.5 checkpoints carry it) is trained
+beside the model: at position t it sees the model's final hidden state at t-1 and the embedding of token t, and
+predicts token t+1 (the way ``runtime/model.py`` feeds it; its draft is the token after the model's own next one).
+Its loss reaches neither the model nor the shared embedding (they enter detached, and the head has its own optimiser
+and clipping), so the model's weights are those of a run without it, bit for bit.
+
+OUT_DIR gets ``config.json`` + ``model.safetensors`` (``save_pretrained``, plus ``mtp.*`` and
+``mtp_num_hidden_layers`` when the head is trained), ``tokenizer.json`` (a folder the runtime loads like a real
+checkpoint), ``heldout.txt`` (for ``flashrt-runtime bench-quant --fidelity-text``) and
 ``training.json`` (the settings and the loss curve).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -68,6 +76,45 @@ def model_config(vocab_size: int, hidden: int, layers: int, heads: int, head_dim
         linear_value_head_dim=head_dim, tie_word_embeddings=True, max_position_embeddings=4096)
 
 
+class MTPHead(torch.nn.Module):
+    """Qwen3.5's MTP head in HF modules, named as checkpoints name ``mtp.*``: fc(cat(norm(embed(t)), norm(h_{t-1})))
+    through one full-attention decoder layer and a final norm; the logits come from the (tied) LM head."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+        layer_config = copy.deepcopy(config)
+        layer_config.layer_types, layer_config.num_hidden_layers = ["full_attention"], 1
+        layer_config._attn_implementation = "sdpa"          # causal without a mask
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = hf.Qwen3_5RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = hf.Qwen3_5RMSNorm(hidden, eps=eps)
+        self.layers = torch.nn.ModuleList([hf.Qwen3_5DecoderLayer(layer_config, 0)])
+        self.norm = hf.Qwen3_5RMSNorm(hidden, eps=eps)
+        self.rotary = hf.Qwen3_5TextRotaryEmbedding(layer_config)
+
+    def forward(self, embeds: torch.Tensor, previous: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """embeds: [B, T, H] of tokens t; previous: [B, T, H] final hidden states at t-1; positions: [B, T] = t.
+        Returns the head's final hidden states [B, T, H] (logits through the LM head predict token t+1)."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(previous)], dim=-1))
+        rope = self.rotary(x, positions)
+        for layer in self.layers:
+            x = layer(x, position_embeddings=rope, position_ids=positions)
+        return self.norm(x)
+
+
+def mtp_loss(model, head: MTPHead, window: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the head's prediction of token t+1 from (hidden at t-1, token t), t = 1 .. T-2, with the
+    model and the embedding detached."""
+    embed = model.get_input_embeddings().weight.detach()
+    positions = torch.arange(1, window.shape[1] - 1)[None].expand(window.shape[0], -1)
+    out = head(torch.nn.functional.embedding(window[:, 1:-1], embed), hidden[:, :-2].detach(), positions)
+    logits = torch.nn.functional.linear(out, embed).float()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 2:].flatten())
+
+
 def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
     """Linear warm-up, then cosine decay to a tenth of the peak."""
     if step < warmup:
@@ -77,26 +124,52 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def train(model, ids: torch.Tensor, steps: int, batch: int, seq_len: int, peak_lr: float, seed: int,
-          log_every: int = 25) -> list[dict]:
-    """Next-token training on random windows of ``ids``; returns the loss curve."""
+          head: MTPHead | None = None, log_every: int = 25) -> list[dict]:
+    """Next-token training on random windows of ``ids`` (and the MTP ``head``'s, on the same windows); returns the
+    loss curve."""
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.1, betas=(0.9, 0.95))
+    parts = [model] + ([head] if head is not None else [])
+    optimizers = [torch.optim.AdamW(part.parameters(), lr=peak_lr, weight_decay=0.1, betas=(0.9, 0.95))
+                  for part in parts]
+    final_hidden = []
+    if head is not None:     # the final norm's output, caught on the way (the model's own forward is unchanged)
+        model.model.norm.register_forward_hook(lambda module, args, out: final_hidden.append(out))
     model.train()
     curve, start = [], time.perf_counter()
     for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, steps, peak_lr, warmup=max(1, steps // 20))
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, steps, peak_lr, warmup=max(1, steps // 20))
         starts = torch.randint(0, ids.numel() - seq_len - 1, (batch,), generator=generator)
         window = torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
-        loss = model(window, labels=window).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        final_hidden.clear()
+        losses = [model(window, labels=window).loss]
+        if head is not None:
+            losses.append(mtp_loss(model, head, window, final_hidden[-1]))
+        for loss in losses:          # all before any step: the head's loss reads the embedding the model updates
+            loss.backward()
+        for part, optimizer in zip(parts, optimizers):
+            torch.nn.utils.clip_grad_norm_(part.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         if step % log_every == 0 or step == steps - 1:
-            curve.append({"step": step, "loss": loss.item(), "seconds": time.perf_counter() - start})
-            print(f"step {step}: loss {loss.item():.3f} ({curve[-1]['seconds']:.0f} s)", file=sys.stderr)
+            curve.append({"step": step, "loss": losses[0].item(), "seconds": time.perf_counter() - start,
+                          **({"mtp_loss": losses[1].item()} if head is not None else {})})
+            print(f"step {step}: loss {losses[0].item():.3f} ({curve[-1]['seconds']:.0f} s)", file=sys.stderr)
     return curve
+
+
+def save_mtp(out: Path, head: MTPHead) -> None:
+    """Add the head's tensors (``mtp.*``) to the saved checkpoint and ``mtp_num_hidden_layers`` to its config."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(out / "model.safetensors")
+    weights.update({f"mtp.{name}": tensor.detach().contiguous() for name, tensor in head.state_dict().items()
+                    if not name.startswith("rotary.")})
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 @torch.no_grad()
@@ -115,7 +188,7 @@ def mean_nll(model, ids: torch.Tensor, seq_len: int) -> float:
 
 
 def build(out: Path, *, steps: int, hidden: int, layers: int, heads: int, head_dim: int, vocab: int, batch: int,
-          seq_len: int, lr: float, corpus_chars: int, heldout: float, seed: int) -> dict:
+          seq_len: int, lr: float, corpus_chars: int, heldout: float, seed: int, mtp: bool = True) -> dict:
     """Train and save the folder; returns what ``training.json`` records."""
     from transformers import Qwen3_5ForCausalLM
 
@@ -126,13 +199,16 @@ def build(out: Path, *, steps: int, hidden: int, layers: int, heads: int, head_d
     ids = torch.tensor(tokenizer.encode(text[:cut]).ids)
     held_ids = torch.tensor(tokenizer.encode(text[cut:]).ids)
     model = Qwen3_5ForCausalLM(model_config(tokenizer.get_vocab_size(), hidden, layers, heads, head_dim)).float()
-    curve = train(model, ids, steps, batch, seq_len, lr, seed)
+    head = MTPHead(model.config).float() if mtp else None
+    curve = train(model, ids, steps, batch, seq_len, lr, seed, head)
     out.mkdir(parents=True, exist_ok=True)
     model.eval().save_pretrained(out)
+    if head is not None:
+        save_mtp(out, head.eval())
     tokenizer.save(str(out / "tokenizer.json"))
     (out / HELDOUT_FILE).write_text(text[cut:], encoding="utf-8")
     record = {"steps": steps, "hidden": hidden, "layers": layers, "heads": heads, "head_dim": head_dim,
-              "vocab": tokenizer.get_vocab_size(), "batch": batch, "seq_len": seq_len, "lr": lr, "seed": seed,
+              "vocab": tokenizer.get_vocab_size(), "batch": batch, "seq_len": seq_len, "lr": lr, "seed": seed, "mtp": mtp,
               "train_tokens": ids.numel(), "heldout_tokens": held_ids.numel(),
               "parameters": sum(p.numel() for p in model.parameters()), "curve": curve,
               "heldout_nll": mean_nll(model, held_ids[:8 * seq_len + 1], seq_len),
@@ -156,10 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus-chars", type=int, default=6_000_000)
     parser.add_argument("--heldout", type=float, default=0.02, help="share of the corpus held out (its end)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-mtp", dest="mtp", action="store_false", help="do not train the MTP head")
     args = parser.parse_args(argv)
     record = build(args.out, steps=args.steps, hidden=args.hidden, layers=args.layers, heads=args.heads,
                    head_dim=args.head_dim, vocab=args.vocab, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                   corpus_chars=args.corpus_chars, heldout=args.heldout, seed=args.seed)
+                   corpus_chars=args.corpus_chars, heldout=args.heldout, seed=args.seed,
+                   mtp=args.mtp)
     print(json.dumps({k: v for k, v in record.items() if k != "curve"}, indent=1))
     return 0
 

@@ -380,6 +380,7 @@ class FlashRTNode(Node):
             self._goal_feedback.pop(gen.request_id, None)
         result.token_ids, result.text = outcome.token_ids, outcome.text
         result.finish_reason, result.position, result.ttft_ms = outcome.finish_reason, outcome.position, outcome.ttft_ms
+        result.acceptance_rate, result.tokens_per_step = outcome.acceptance_rate, outcome.tokens_per_step
         result.success = outcome.error_code == ErrorCode.OK
         result.error_code, result.message = int(outcome.error_code), outcome.message
         if result.success:
@@ -411,8 +412,8 @@ class FlashRTNode(Node):
 
     # ---- diagnostics ------------------------------------------------------------------------
     def _publish_diagnostics(self) -> None:
-        """Engine figures (:meth:`Engine.stats`: position, ttft_ms, decode_tokens_per_s, arena/capsule
-        bytes, kernel, ...), the engine ``fingerprint`` (the bag tools read it here instead of building
+        """Engine figures (:meth:`Engine.stats`: position, ttft_ms, decode_tokens_per_s, speculative_tokens,
+        acceptance_rate, tokens_per_step, arena/capsule bytes, kernel, ...), the engine ``fingerprint`` (the bag tools read it here instead of building
         a second engine), ``active``, ``last_error`` and ``observations_lost``; published while configured."""
         worker = self._worker
         if worker is not None:

@@ -23,6 +23,7 @@ from flashrt_ros.observation_queue import OVERLOAD_POLICIES
 from flashrt_ros.operations import as_float32
 from flashrt_ros.runtime import EngineConfig, FlashRTError, SamplingParams
 from flashrt_ros.runtime import quant
+from flashrt_ros.runtime.speculative import MAX_SPECULATIVE_TOKENS
 
 _INT_MAX = 2**31 - 1
 
@@ -54,6 +55,8 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
      (0, 1 << 22), None),
     ("max_capsules", 1024, "capsules stored at once on every tier; past it a snapshot, fork or import answers "
      "BUDGET_EXCEEDED", (1, 1 << 20), None),
+    ("speculative_tokens", 0, "MTP drafts verified per decode step (0 = off; needs the model's MTP head); > 0 runs "
+     "5-row steps whose capsules do not move to an engine with 0 (another decode plan)", (0, MAX_SPECULATIVE_TOKENS), None),
     ("history_depth", 32, "commit boundaries kept for rollback(steps=k)", (1, 1 << 16), None),
     ("seed", 0, "weights seed for presets and the sampler seed after reset", (0, 2**63 - 1), None),
     ("sampling.temperature", 0.0, "default sampling temperature (0 = greedy)", (0.0, 100.0), None),
@@ -169,7 +172,8 @@ def read_settings(node) -> NodeSettings:
             weights_format=p["weights_format"], weights_exclude=quant.parse_patterns(p["weights_exclude"]),
             capsule_budget_fraction=p["capsule_budget_fraction"], capsule_dir=p["capsule_dir"],
             capsule_key_file=p["capsule_key_file"], capsule_evict_policy=p["capsule_evict_policy"],
-            capsule_host_budget_bytes=p["capsule_host_budget_mb"] << 20, max_capsules=p["max_capsules"]),
+            capsule_host_budget_bytes=p["capsule_host_budget_mb"] << 20, max_capsules=p["max_capsules"],
+            speculative_tokens=p["speculative_tokens"]),
         discretiser=Discretiser(
             low=p["discretiser.low"], high=p["discretiser.high"], bins=p["discretiser.bins"],
             token_offset=p["discretiser.token_offset"], dims=p["discretiser.dims"],

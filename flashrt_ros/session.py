@@ -153,6 +153,8 @@ class GenerationResult:
     ttft_ms: float
     error_code: ErrorCode
     message: str
+    acceptance_rate: float = 0.0     # speculative decoding: accepted / drafted MTP tokens (0 when off)
+    tokens_per_step: float = 0.0     # tokens per decode step (1 without speculation)
 
 
 @dataclass
@@ -286,7 +288,8 @@ class Generation:
                 session._active = None
             self.outcome.set_result(GenerationResult(
                 self.request_id, list(self._ids), engine.tokenizer.decode(self._ids) if self._ids else "",
-                reason, engine.position, self._ttft_ms, code, message))
+                reason, engine.position, self._ttft_ms, code, message, engine.generation_stats.acceptance_rate,
+                engine.generation_stats.tokens_per_step))
         return False
 
     def _check_constraint(self, reason: str, code: ErrorCode, message: str):

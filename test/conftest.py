@@ -161,3 +161,17 @@ def poisoned_empty(monkeypatch):
         out = real(*args, **kwargs)
         return out.fill_(float("nan")) if out.is_floating_point() else out
     monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """A small Qwen3.5-layout model with its MTP head, trained here by bench/train_tiny_lm.py, once per session (the
+    weight-format fidelity and the speculative-decoding tests of test/runtime/ share it). Returns its folder and
+    training record."""
+    import bench_scripts     # test/runtime/, on sys.path for the tests there that use this
+
+    folder = tmp_path_factory.mktemp("trained") / "lm"
+    record = bench_scripts.load("train_tiny_lm").build(
+        folder, steps=150, hidden=64, layers=4, heads=4, head_dim=16, vocab=320, batch=16, seq_len=64, lr=3e-3,
+        corpus_chars=400_000, heldout=0.02, seed=0)
+    return folder, record

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import itertools
 import operator
 import time
 from collections import deque
@@ -35,10 +36,14 @@ from . import kernels as kernel_sets
 from . import platform, quant
 from .model import PIECE_BUCKET, SMALL_PIECE
 from .sampler import Sampler, SamplingParams
+from .speculative import MAX_SPECULATIVE_TOKENS, STEP_ROWS, Stats, Stepper
 from .tokenizer import load_tokenizer
 from .weights import load, weights_digest
 
 PLAN_VERSION = "flashrt-plan-2"   # 2: fused projections, padded piece buckets, fixed 64-row delta-rule chunks
+# speculative_tokens > 0: every decode step is a STEP_ROWS-row step (speculative.py), whose bytes differ from the
+# one-row step's, so capsules of the two plans are told apart by their fingerprints
+SPECULATIVE_PLAN_VERSION = "flashrt-plan-3-spec"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MIN_KV_BUCKET = 256
 _log = logging.getLogger("flashrt.runtime")
@@ -66,6 +71,7 @@ class EngineConfig:
     capsule_evict_policy: str = "refuse"    # refuse | lru: spill least-recently-used unpinned capsules down a tier
     capsule_host_budget_bytes: int = 1 << 30   # pinned host tier (discrete GPUs only; 0 = none)
     max_capsules: int = 1024            # capsules stored at once, on every tier (each costs time in every listing)
+    speculative_tokens: int = 0         # MTP drafts verified per decode step (0 = off; see speculative.py)
 
     def validate(self) -> "EngineConfig":
         def bad(why):
@@ -89,6 +95,8 @@ class EngineConfig:
             raise bad("capsule_host_budget_bytes must be >= 0")
         if self.max_capsules < 1:
             raise bad(f"max_capsules must be >= 1, got {self.max_capsules}")
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise bad(f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}")
         if not 0.0 <= self.capsule_budget_fraction <= 1.0:
             raise bad(f"capsule_budget_fraction must be in [0, 1], got {self.capsule_budget_fraction}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -146,6 +154,9 @@ class Engine:
         _log.info("kernels: %s (%s)", self.kernels.name, self.kernel_reason)
         self.kernel_name = self.kernels.name
         self.model.bind(self.arena, self.kernels)
+        if cfg.speculative_tokens and not self.model_config.mtp_num_hidden_layers:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"speculative_tokens {cfg.speculative_tokens} needs the "
+                                                           f"model's MTP head, and {cfg.model!r} has none")
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
         self._sampling: SamplingParams | None = None
         # constrained decoding: the static mask the decode step reads, the live matcher, each capsule's matcher state
@@ -154,9 +165,16 @@ class Engine:
         self.constraint: Constraint | None = None
         self._capsule_constraints: dict[str, ConstraintState] = {}
         self._llg_tokenizer = None
-        self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET), dtype=torch.int64, device=self.device)
+        self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET, STEP_ROWS), dtype=torch.int64,
+                                   device=self.device)
+        # the speculative plan's steps (None: main's one-row decode step, see _decode_step)
+        self.stepper = Stepper(self.model, self.sampler, self._tokens) if cfg.speculative_tokens else None
+        self.speculative_stats = Stats()          # since start
+        self.generation_stats = Stats()           # of the last generate call
         self._count = torch.ones((), dtype=torch.int64, device=self.device)  # real tokens of a small piece
-        self.fingerprint = self._compute_fingerprint(dtype)
+        self.plan = SPECULATIVE_PLAN_VERSION if cfg.speculative_tokens else PLAN_VERSION
+        self._fingerprints = self._compute_fingerprints(dtype)      # of either plan, to name a mismatch
+        self.fingerprint = self._fingerprints[self.plan]
         self.layout = Layout.of(self.arena)
         self.store = CapsuleStore(platform.capsule_budget_bytes(cfg.capsule_budget_bytes, cfg.capsule_budget_fraction,
                                                               self.platform, platform.mem_available_bytes()),
@@ -166,7 +184,7 @@ class Engine:
         self.tiers = capsule_tiers.Tiers(self.store, self.device, self.capsule_dir, self._capsule_key,
                                          self.platform.pinned_host_tier, cfg.capsule_host_budget_bytes,
                                          cfg.capsule_evict_policy)
-        self.capsule_manager = CapsuleManager(self.store, self.tiers, self.fingerprint, cfg.max_context,
+        self.capsule_manager = CapsuleManager(self.store, self.tiers, self._check_fingerprint, cfg.max_context,
                                               self.arena.live_nbytes, on_settle=self._release_freed_boundary)
         # capsule files of this engine in capsule_dir are disk-tier capsules; why the others were refused
         self.capsule_dir_refused = self.tiers.index(self.fingerprint, self.arena.live_nbytes)
@@ -230,7 +248,9 @@ class Engine:
                 "capsule_tiers": ",".join(self.tiers.names), "capsule_tier_error": self.tiers.disk_failure,
                 "kernel": self.kernel_name,
                 "kernel_reason": self.kernel_reason, "weights_format": self.weights_format,
-                "cuda_graphs": len(self.graphs.graphs), **self.platform.diagnostics()}
+                "cuda_graphs": len(self.graphs.graphs), "speculative_tokens": self.config.speculative_tokens,
+                "acceptance_rate": self.speculative_stats.acceptance_rate,
+                "tokens_per_step": self.speculative_stats.tokens_per_step, **self.platform.diagnostics()}
 
     # ---- execution ---------------------------------------------------------------------------------------
     def _kv_bucket_sizes(self) -> list[int]:
@@ -252,12 +272,21 @@ class Engine:
                           PIECE_BUCKET))
 
     def _decode_step(self, greedy: bool, kv_len: int):
+        """The plain plan's decode step: one row (speculative_tokens 0)."""
         def step():
             logits = constraints.apply_mask(self.model.logits(), self._mask_words, self._mask_lookup)
             token = self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
             self._tokens[:1].copy_(token)
             self.model.forward(self._tokens[:1], kv_len)
         return step
+
+    def _step(self, drafts: int, greedy: bool, kv_len: int):
+        """The graph key and the function of a decode step with ``drafts`` drafts: the plain plan's one-row step,
+        or the speculative plan's STEP_ROWS-row step (this sets its live row count, drafts + 1)."""
+        if self.stepper is None:
+            return ("decode", greedy, kv_len), self._decode_step(greedy, kv_len)
+        self.stepper.count.fill_(drafts + 1)
+        return ("step", drafts, greedy, kv_len), self.stepper.step(drafts, greedy, kv_len)
 
     def _warm_up(self) -> None:
         """Run one eager long piece, so its kernels compile (Triton JIT, autotuning) before any request. Mutates
@@ -268,8 +297,8 @@ class Engine:
             self.model.forward(self._tokens[:length], length, dense=True)
 
     def _capture_graphs(self) -> None:
-        """Capture decode (greedy and sampled) and every small-piece bucket for every KV bucket, after the eager
-        warm-up has compiled their kernels. Mutates the arena.
+        """Capture the decode steps (greedy and sampled, with 0 .. speculative_tokens drafts) and every small-piece
+        bucket for every KV bucket, after the eager warm-up has compiled their kernels. Mutates the arena.
 
         Larger pieces run eagerly: they are compute-bound, so a graph would save nothing measurable."""
         def prepare():
@@ -277,8 +306,8 @@ class Engine:
             self._tokens.zero_()
             self._count.fill_(1)
         for kv_len in self.kv_buckets:
-            for greedy in (True, False):
-                self.graphs.capture(("decode", greedy, kv_len), self._decode_step(greedy, kv_len), prepare)
+            for greedy, k in itertools.product((True, False), range(self.config.speculative_tokens + 1)):
+                self.graphs.capture(*self._step(k, greedy, kv_len), prepare)
             for bucket in self._piece_buckets():
                 self.graphs.capture(("piece", bucket, kv_len), self._piece_step(bucket, kv_len), prepare)
         torch.cuda.synchronize(self.device)
@@ -376,9 +405,22 @@ class Engine:
         stops = set(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
         return self._generate(max_new_tokens, params, stops)
 
+    def _drafts(self, position: int, remaining: int) -> int:
+        """How many drafts the step at ``position`` verifies: the configured number, fewer where the context, the
+        tokens still wanted or the first row's KV bucket (which every row attends over) end sooner."""
+        bucket = self._kv_bucket(position + 1)
+        return max(0, min(self.config.speculative_tokens, remaining - 1, self.max_context - position - 1,
+                          bucket - position - 1))
+
     @torch.inference_mode()
     def _generate(self, max_new_tokens: int, params: SamplingParams, stops: set[int]) -> Iterator[int]:
-        for index in range(max_new_tokens):
+        """Steps of 1 + accepted drafts tokens; each token is its own commit boundary: before it is yielded the
+        state after it is made live, so any operation between two yields sees the state of plain decoding there.
+        When one replaces the live state (a restore, rollback, ingest...), the step's remaining tokens are dropped
+        and the next step starts from the new live state."""
+        self.generation_stats = Stats()
+        produced = 0
+        while produced < max_new_tokens:
             position = self.position
             if position >= self.max_context:
                 return
@@ -386,33 +428,50 @@ class Engine:
             if params != self._sampling:
                 self.sampler.configure(params)
                 self._sampling = params
+            drafts = self._drafts(position, max_new_tokens - produced)
             kv_len = self._kv_bucket(position + 1)
             self.live.rows.truncate(position)
             self._moved_to(None)
-            if self.constraint is not None:
+            if self.constraint is not None:       # no drafts then: compile_constraint refuses a speculative plan
                 self.constraint.fill_mask(self._mask_words)
-            self.graphs.run(("decode", params.greedy, kv_len), self._decode_step(params.greedy, kv_len))
-            token = int(self._tokens[0])
-            if self.constraint is not None:
-                self.constraint.accept(token)
-                if self.constraint.stopped:
-                    stops = stops | {token}
-            self._moved_to(position + 1)
-            self._push_boundary(position + 1)
+            self.graphs.run(*self._step(drafts, params.greedy, kv_len))
+            tokens = self._tokens[:drafts + 1].tolist()
+            committed = int(self.stepper.committed) if drafts else 1
+            if drafts:
+                self.stepper.invalidate(position + committed, position + drafts + 1)
             elapsed = time.perf_counter() - started
-            if index == 0:
+            for stats in (self.speculative_stats, self.generation_stats):
+                stats.add(drafts, committed)
+            steps = self.generation_stats.steps
+            if steps == 1:
                 self.stats_ttft_ms = 1000.0 * (self._last_ingest_s + elapsed)
             else:
-                rate = 1.0 / max(elapsed, 1e-9)
-                self.stats_tokens_per_s = rate if index == 1 else 0.9 * self.stats_tokens_per_s + 0.1 * rate
-            yield token
-            if token in stops:
-                return
+                rate = committed / max(elapsed, 1e-9)
+                self.stats_tokens_per_s = rate if steps == 2 else 0.9 * self.stats_tokens_per_s + 0.1 * rate
+            for row, token in enumerate(tokens[:committed]):
+                if drafts:
+                    self.stepper.commit(row)
+                self._moved_to(position + row + 1)
+                self._push_boundary(position + row + 1)
+                boundary = self._boundaries[-1]
+                produced += 1
+                yield token
+                if token in stops:
+                    if drafts:
+                        self.stepper.invalidate(position + row + 1, position + committed)
+                    return
+                if self._boundaries[-1] is not boundary:     # the live state was replaced meanwhile
+                    break
 
     # ---- constrained decoding -----------------------------------------------------------------------------
     def compile_constraint(self, kind: str, text: str) -> ConstraintState:
         """Check a grammar against this engine's tokenizer (INVALID_ARGUMENT with the library's message); changes
-        nothing live."""
+        nothing live. Refused on the speculative plan: its steps apply no mask and its drafts are not checked against
+        the grammar yet."""
+        if self.stepper is not None:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT,
+                               f"constrained decoding needs speculative_tokens 0 (this engine: "
+                               f"{self.config.speculative_tokens}): MTP drafts are not checked against a grammar yet")
         state = ConstraintState(constraints.compile_grammar(kind, text))
         Constraint(self._llg(), state)
         return state
@@ -669,11 +728,28 @@ class Engine:
         return self.capsule_manager.import_capsule(capsule_id)
 
     # ---- identity ----------------------------------------------------------------------------------------
-    def _compute_fingerprint(self, dtype: torch.dtype) -> str:
+    def _compute_fingerprints(self, dtype: torch.dtype) -> dict[str, str]:
+        """The fingerprint of this model and config under each decode plan (the plain one is main's, unchanged)."""
         identity = {"weights": weights_digest(self.model), "config": self.model_config.to_json(),
-                    "manifest": self.arena.manifest_json(), "dtype": str(dtype), "plan": PLAN_VERSION,
+                    "manifest": self.arena.manifest_json(), "dtype": str(dtype),
                     "kernels": self.kernel_name, "device_type": self.device.type,
                     "prefill_chunk": self.config.prefill_chunk, "weights_format": self.weights_format}
         if self.config.weights_format != "dense":
             identity["gemv_table"] = quant_gemv.table_digest(self.device)
-        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+        return {plan: hashlib.sha256(json.dumps({**identity, "plan": plan}, sort_keys=True).encode()).hexdigest()
+                for plan in (PLAN_VERSION, SPECULATIVE_PLAN_VERSION)}
+
+    def _check_fingerprint(self, what: str, fingerprint: str) -> None:
+        """Refuse a capsule of another fingerprint; one that differs only by the decode plan (taken with
+        speculative_tokens 0 and restored with > 0, or the reverse) is named as such."""
+        if fingerprint == self.fingerprint:
+            return
+        why = "another model, config or plan"
+        other = next((plan for plan, value in self._fingerprints.items() if value == fingerprint), None)
+        if other is not None:
+            why = (f"this model by an engine whose decode plan differs ({other}, speculative_tokens "
+                   f"{'> 0' if other == SPECULATIVE_PLAN_VERSION else '0'}; this engine: {self.plan}, "
+                   f"speculative_tokens {self.config.speculative_tokens}): their steps give other bytes")
+        raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
+                           f"{what} was taken from {why} (fingerprint {fingerprint[:12]}..., "
+                           f"this engine {self.fingerprint[:12]}...)")

@@ -6,6 +6,8 @@ through the arena views it is bound to, and keeps the position on the device, so
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,17 @@ from .kernels import KernelSet
 # row count.) Longer pieces run eagerly over exactly the live span (and may use fla-core's chunked delta rule).
 SMALL_PIECE = 64
 PIECE_BUCKET = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRows:
+    """A decode or speculative-verify step: a fixed number of rows (the same for every step, so each GEMM has one
+    shape and a row's bytes do not depend on which row it is or on the others), of which the first ``live`` are
+    tokens. ``states`` (verify only) receives the fixed-size state after each live row, ``hidden`` [rows, H] the
+    final hidden state of every row."""
+    live: int
+    states: object | None = None        # speculative.RowStates
+    hidden: torch.Tensor | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -73,19 +86,44 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight = nn.Parameter(torch.ones(cfg.linear_value_head_dim))
         self.out_proj = nn.Linear(cfg.linear_value_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, conv_state, recurrent_state, count, dense: bool, kernels):
+    def forward(self, x, conv_state, recurrent_state, count, dense: bool, kernels, step: "StepRows | None" = None,
+                index: int = 0):
+        """``step``: a decode or verify step (see :class:`StepRows`); ``index``: this layer's among the DeltaNet
+        layers (its slot in the step's per-row states)."""
         cfg, length = self.cfg, x.shape[0]
         heads, head_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         mixed, z, b, a = self.in_proj(x).split([cfg.conv_dim, cfg.linear_value_dim, heads, heads], dim=-1)
-        mixed = kernels.causal_conv(mixed, conv_state, self.conv1d.weight[:, 0, :], count)
-        q, k, v = mixed.split([cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
-        q = q.unflatten(-1, (cfg.linear_num_key_heads, cfg.linear_key_head_dim))
-        k = k.unflatten(-1, (cfg.linear_num_key_heads, cfg.linear_key_head_dim))
-        v = v.unflatten(-1, (heads, head_dim))
-        delta_rule = kernels.delta_rule_long if dense else kernels.gated_delta_rule
-        core = delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, count)
+        if step is None:
+            q, k, v = self._qkv(kernels.causal_conv(mixed, conv_state, self.conv1d.weight[:, 0, :], count))
+            delta_rule = kernels.delta_rule_long if dense else kernels.gated_delta_rule
+            core = delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, count)
+        else:
+            core = self._step_rows(mixed, a, b, conv_state, recurrent_state, step, index, kernels)
         core = kernels.gated_rms_norm(core, z.unflatten(-1, (heads, head_dim)), self.norm.weight, cfg.rms_norm_eps)
         return self.out_proj(core.reshape(length, cfg.linear_value_dim))
+
+    def _qkv(self, mixed):
+        cfg = self.cfg
+        q, k, v = mixed.split([cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
+        return (q.unflatten(-1, (cfg.linear_num_key_heads, cfg.linear_key_head_dim)),
+                k.unflatten(-1, (cfg.linear_num_key_heads, cfg.linear_key_head_dim)),
+                v.unflatten(-1, (cfg.linear_num_value_heads, cfg.linear_value_head_dim)))
+
+    def _step_rows(self, mixed, a, b, conv_state, recurrent_state, step: "StepRows", index: int, kernels):
+        """The conv and the delta rule of a step's live rows, one row at a time through the one-token kernels, so
+        every row computes the bytes a one-token decode step computes; the states after each row are kept in
+        ``step.states`` (a verify). Rows past ``step.live`` are padding: their output is zero."""
+        cfg = self.cfg
+        core = torch.zeros(mixed.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim,
+                           dtype=mixed.dtype, device=mixed.device)
+        for row in range(step.live):
+            q, k, v = self._qkv(kernels.causal_conv(mixed[row:row + 1], conv_state, self.conv1d.weight[:, 0, :]))
+            core[row:row + 1] = kernels.gated_delta_rule(q, k, v, a[row:row + 1], b[row:row + 1], self.A_log,
+                                                         self.dt_bias, recurrent_state)
+            if step.states is not None:
+                step.states.view(row, "conv")[index].copy_(conv_state)
+                step.states.view(row, "recurrent")[index].copy_(recurrent_state)
+        return core
 
 
 class Attention(nn.Module):
@@ -236,21 +274,23 @@ class Qwen35(nn.Module):
         self.rope_sin = freqs.sin().to(device=device, dtype=dtype)
         self.offsets = torch.arange(max_context, device=device)
 
-    def logits(self) -> torch.Tensor:
-        """Next-token logits (fp32) from the last hidden state in the arena (through the quantized LM head that
-        ``weights.load`` builds, if any)."""
+    def logits(self, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits (fp32) from ``hidden`` (default: the last hidden state in the arena), through the
+        quantized LM head that ``weights.load`` builds, if any."""
+        hidden = self.arena["hidden"] if hidden is None else hidden
         head = getattr(self, "quantized_head", None)
         if head is not None:
-            return head(self.arena["hidden"]).float()
-        return F.linear(self.arena["hidden"], self.output_weight()).float()
+            return head(hidden).float()
+        return F.linear(hidden, self.output_weight()).float()
 
     def forward(self, tokens: torch.Tensor, kv_len: int, count: torch.Tensor | None = None,
-                dense: bool = False) -> None:
+                dense: bool = False, step: StepRows | None = None) -> None:
         """Append tokens to the stream: update every state buffer, the last hidden state and the position.
 
         ``tokens`` [L]; ``count`` (a 0-d int64 device tensor) says how many of them are real: the rest pad a
         fixed-size bucket and touch no state. None means all L. ``kv_len`` bounds the attention span: a bucket
         >= position + L (it selects a graph, not a result), or with ``dense`` exactly position + L (eager pieces).
+        ``step``: a decode or verify step of ``count`` (= ``step.live``) tokens (see :class:`StepRows`).
         """
         arena, cfg = self.arena, self.cfg
         kernels = self.kernels
@@ -267,7 +307,7 @@ class Qwen35(nn.Module):
         for index, layer in enumerate(layers):
             if layer.is_linear:
                 mixed = layer.linear_attn(h, arena["conv"][linear_idx], arena["recurrent"][linear_idx], count, dense,
-                                          kernels)
+                                          kernels, step, linear_idx)
                 linear_idx += 1
             else:
                 mixed = layer.self_attn(h, cos, sin, positions, arena["kv"][:, attn_idx], kv_len, count, dense,
@@ -277,6 +317,8 @@ class Qwen35(nn.Module):
             following = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.model.norm
             h, x = kernels.add_rms_norm(layer.mlp(h, kernels), x, following.scale, eps)
         hidden = h                                            # the final norm's output
+        if step is not None and step.hidden is not None:
+            step.hidden.copy_(hidden)
         if cfg.mtp_num_hidden_layers:
             self._mtp_forward(embeds, hidden, cos, sin, positions, count, kernels)
         if count is None:
@@ -292,12 +334,29 @@ class Qwen35(nn.Module):
     def _mtp_forward(self, embeds, hidden, cos, sin, positions, count, kernels) -> None:
         """Advance the MTP head's KV: the pair at position p is (hidden state before token p, embedding of token p).
 
-        Only the KV write is state; the head's attention output feeds speculative decoding (a later issue), so it
-        is not computed."""
-        mtp, eps = self.mtp, self.cfg.rms_norm_eps
+        Only the KV write is state; the head's output is computed by :meth:`mtp_draft` when it drafts."""
+        eps = self.cfg.rms_norm_eps
         previous = torch.cat([self.arena["hidden"][None], hidden[:-1]], dim=0)
-        x = mtp.fc(torch.cat([kernels.rms_norm(embeds, mtp.pre_fc_norm_embedding.scale, eps),
-                              kernels.rms_norm(previous, mtp.pre_fc_norm_hidden.scale, eps)], dim=-1))
-        layer = mtp.layers[0]
+        x = self._mtp_input(embeds, previous)
+        layer = self.mtp.layers[0]
         layer.self_attn.write_kv(kernels.rms_norm(x, layer.input_layernorm.scale, eps), cos, sin, positions,
                                  self.arena["mtp_kv"][:, 0], count, kernels)
+
+    def _mtp_input(self, embeds, previous):
+        """The MTP layer's input: fc(cat(norm(embedding of token p), norm(hidden state before p)))."""
+        mtp, eps, kernels = self.mtp, self.cfg.rms_norm_eps, self.kernels
+        return mtp.fc(torch.cat([kernels.rms_norm(embeds, mtp.pre_fc_norm_embedding.scale, eps),
+                                 kernels.rms_norm(previous, mtp.pre_fc_norm_hidden.scale, eps)], dim=-1))
+
+    def mtp_draft(self, token: torch.Tensor, previous: torch.Tensor, position: torch.Tensor,
+                  kv_len: int) -> torch.Tensor:
+        """One step of the MTP head: the pair (``previous`` hidden state [1, H], embedding of ``token`` [1]) at
+        ``position`` [1] writes the head's KV there and returns the head's final hidden state [1, H], whose logits
+        predict the token after ``token`` (a draft; a chain of drafts feeds this output back as ``previous``)."""
+        layer, eps, kernels = self.mtp.layers[0], self.cfg.rms_norm_eps, self.kernels
+        x = self._mtp_input(self.model.embed_tokens(token), previous)
+        h = kernels.rms_norm(x, layer.input_layernorm.scale, eps)
+        mixed = layer.self_attn(h, self.rope_cos[position], self.rope_sin[position], position,
+                                self.arena["mtp_kv"][:, 0], kv_len, None, False, kernels)
+        h, x = kernels.add_rms_norm(mixed, x, layer.post_attention_layernorm.scale, eps)
+        return kernels.add_rms_norm(layer.mlp(h, kernels), x, self.mtp.norm.scale, eps)[0]

@@ -1,4 +1,5 @@
-"""``flashrt-runtime`` (also ``python -m flashrt_ros.tools``): generate, verify, bench. JSON on stdout."""
+"""``flashrt-runtime`` (also ``python -m flashrt_ros.tools``): generate, verify, bench, bench-quant, bench-spec,
+bench-capsules. JSON on stdout."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ from flashrt_ros.runtime.engine import _DTYPES, Engine, EngineConfig
 from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
 from flashrt_ros.runtime.sampler import SamplingParams
 
-from . import bench_capsules, bench_constraint, bench_quant, plan
+from . import bench_capsules, bench_constraint, bench_quant, bench_spec, plan
 from .bench import bench_context, cold_prefill_profile, markdown_table
 from .verify import verify
 
@@ -106,6 +107,16 @@ def cmd_bench_quant(args) -> dict:
     return _report(result, bench_quant.markdown(result), args.out)
 
 
+def cmd_bench_spec(args) -> dict:
+    cfg = bench_spec.SpecBenchConfig(
+        engine=_config(args, args.context + args.decode_tokens + 8, 64, 64, checksum=False),
+        drafts=tuple(int(d) for d in args.drafts.split(",")), prompts=args.prompts, context=args.context,
+        decode_tokens=args.decode_tokens, repeats=args.repeats, text=args.text,
+        assumed_acceptance=args.assumed_acceptance)
+    result = bench_spec.run(cfg)
+    return _report(result, bench_spec.markdown(result), args.out)
+
+
 def cmd_bench_capsules(args) -> dict:
     folder = args.capsule_dir or tempfile.mkdtemp(prefix="flashrt-bench-capsules-")
     config = dataclasses.replace(_config(args, args.context + args.branch_tokens + 8, 256, 1 << 20),
@@ -183,6 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--repeats", type=int, default=10)
     bq.add_argument("--out", help="write the JSON result here too")
     bq.set_defaults(func=cmd_bench_quant)
+    bs = sub.add_parser("bench-spec", help="MTP speculative decoding against plain: acceptance, tokens/s")
+    _engine_args(bs)
+    bs.add_argument("--drafts", default="0,1,2,3,4", help="speculative_tokens values; 0 (plain) is the baseline")
+    bs.add_argument("--prompts", type=int, default=4)
+    bs.add_argument("--context", type=int, default=64, help="prompt tokens")
+    bs.add_argument("--decode-tokens", type=int, default=64)
+    bs.add_argument("--repeats", type=int, default=3)
+    bs.add_argument("--text", default="", help="prompts from this text file (a trained model's heldout.txt); else "
+                    "random ids")
+    bs.add_argument("--assumed-acceptance", type=float, default=0.0,
+                    help="also project tok/s at this per-draft acceptance (for random-weight shape presets)")
+    bs.add_argument("--out", help="write the JSON result here too")
+    bs.set_defaults(func=cmd_bench_spec)
     bc = sub.add_parser("bench-capsules", help="delta capsules, sibling restore, spill/fetch per tier, files")
     _engine_args(bc)
     bc.add_argument("--context", type=int, default=1024, help="tokens of the planner's root")

@@ -43,7 +43,8 @@ def test_diagnostics_report_engine_figures(node_and_client):
                 if s.name == f"{node.get_fully_qualified_name()}: engine"
                 and any(kv.value == "1" for kv in s.values if kv.key == "capsule_count")]
     values = wait_for(ours, what="a diagnostics message after the snapshot")[-1]
-    for key in ("ttft_ms", "decode_tokens_per_s", "arena_bytes", "capsule_bytes", "position", "last_error"):
+    for key in ("ttft_ms", "decode_tokens_per_s", "arena_bytes", "capsule_bytes", "position", "last_error",
+                "speculative_tokens", "acceptance_rate", "tokens_per_step"):
         assert key in values
     assert int(values["arena_bytes"]) > 0 and int(values["capsule_bytes"]) > 0 and values["active"] == "True"
     engine = node.worker.submit(lambda s: (s.engine.fingerprint, s.engine.kernel_name)).result(10)

@@ -119,6 +119,7 @@ def test_generate_goal_streams_feedback_and_returns_the_whole_result(fresh):
     assert [t for f in feedback for t in f.feedback.chunk.token_ids] == list(result.token_ids)
     assert feedback[-1].feedback.chunk.final and len(result.token_ids) == 10
     assert result.position == 12 + 10 and result.ttft_ms > 0 and result.text
+    assert (result.tokens_per_step, result.acceptance_rate) == (1.0, 0.0)    # speculative_tokens 0: one per step
 
 
 def test_generate_with_sampling_override_and_reseed_is_reproducible(fresh):

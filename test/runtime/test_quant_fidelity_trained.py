@@ -1,5 +1,5 @@
 """Fidelity of the weight formats on a model trained here (bench/train_tiny_lm.py, a few seconds on one CPU thread),
-through ``bench-quant --fidelity-text``: prompt and forced tokens from held-out text, in the model's own tokenizer.
+through ``bench-quant --fidelity-text`` (the ``trained`` fixture of test/conftest.py): prompt and forced tokens from held-out text, in the model's own tokenizer.
 
 Random weights have nearly flat logits, where any rounding flips the argmax (test_runtime_quant.py can only check
 that the formats are ordered there); a trained model predicts confidently where its text is predictable, so here a
@@ -18,14 +18,6 @@ from flashrt_ros.tools import bench_quant
 
 train_tiny_lm = bench_scripts.load("train_tiny_lm")
 CONTEXT, FORCED = 48, 96
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, dict]:
-    folder = tmp_path_factory.mktemp("trained") / "lm"
-    record = train_tiny_lm.build(folder, steps=150, hidden=64, layers=4, heads=4, head_dim=16, vocab=320, batch=16,
-                                 seq_len=64, lr=3e-3, corpus_chars=400_000, heldout=0.02, seed=0)
-    return folder, record
 
 
 def bench(folder: Path, text: Path, formats=("fp8", "nvfp4")) -> dict:

@@ -24,11 +24,13 @@ _log = logging.getLogger("flashrt.runtime")
 
 
 class CapsuleManager:
-    def __init__(self, store: CapsuleStore, tiers: Tiers, fingerprint: str, max_context: int,
-                 nbytes_at: Callable[[int], int], on_settle: Callable[[], None]):
-        """``nbytes_at(position)``: the capsule bytes of the engine's arena at ``position``; ``on_settle``: called
-        after every settle, so the engine can let go of what it kept of blocks that left the device."""
-        self.store, self.tiers, self.fingerprint = store, tiers, fingerprint
+    def __init__(self, store: CapsuleStore, tiers: Tiers, check_fingerprint: Callable[[str, str], None],
+                 max_context: int, nbytes_at: Callable[[int], int], on_settle: Callable[[], None]):
+        """``check_fingerprint(what, fingerprint)``: the engine's refusal of a capsule bound to another engine (it
+        names the reason); ``nbytes_at(position)``: the capsule bytes of the engine's arena at ``position``;
+        ``on_settle``: called after every settle, so the engine can let go of what it kept of blocks that left the
+        device."""
+        self.store, self.tiers, self._check_fingerprint = store, tiers, check_fingerprint
         self.max_context, self._nbytes_at, self._on_settle = max_context, nbytes_at, on_settle
 
     @property
@@ -115,10 +117,7 @@ class CapsuleManager:
         """A capsule that may become live, on the device (fetched if it was spilled, unless not ``fetch``)."""
         self.settle()
         capsule = self.store.get(capsule_id)
-        if capsule.fingerprint != self.fingerprint:
-            raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
-                               f"capsule {capsule_id!r} was taken from another model, config or plan "
-                               f"(fingerprint {capsule.fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
+        self._check_fingerprint(f"capsule {capsule_id!r}", capsule.fingerprint)
         self.check_size(capsule.info, f"capsule {capsule_id!r}")
         if verify_checksum:
             if not capsule.info.checksum:
@@ -170,10 +169,7 @@ class CapsuleManager:
         if info.id != capsule_id:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"{capsule_id}.capsule holds capsule {info.id!r} "
                                                            f"(a renamed file): name it {info.id}.capsule")
-        if fingerprint != self.fingerprint:
-            raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
-                               f"capsule file {capsule_id!r} was taken from another model, config or plan "
-                               f"(fingerprint {fingerprint[:12]}..., this engine {self.fingerprint[:12]}...)")
+        self._check_fingerprint(f"capsule file {capsule_id!r}", fingerprint)
         self.check_size(info, f"capsule file {capsule_id!r}")
         self.store.new_id(capsule_id, info.label)
         self.tiers.victims(info.nbytes, info.label)    # refuses unless it fits (after eviction, under lru)

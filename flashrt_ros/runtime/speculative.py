@@ -1,0 +1,138 @@
+"""One decode step, with or without self-speculation by the MTP head.
+
+A step runs the main model over a fixed number of rows, :data:`STEP_ROWS`, of which ``k + 1`` are live:
+
+1. the next token is picked (greedy or the seeded draw) from the arena's last hidden state, as plain decoding does;
+2. with ``k`` > 0, the MTP head drafts ``k`` more tokens greedily, each from the one before;
+3. the main model runs once over the picked token and the drafts (verify), keeping the fixed-size state after each
+   row (:class:`RowStates`, laid out as the arena's fixed span);
+4. each draft is checked against the token the model itself picks after the row before it: greedy, its argmax; a
+   seeded draw, the draw of the counter that plain decoding would use there. The longest matching prefix is
+   accepted, so the tokens are exactly plain decoding's, sampled ones included (a draw is kept only where it equals
+   the draft; this accepts fewer drafts than the speculative-sampling rule, whose tokens would differ from plain
+   decoding's, and keeps a stream's tokens the same with speculation on or off).
+
+Why the state is exact. None of the runtime's GEMMs gives a row the same bytes at another row count (MKL's fp32
+GEMV against its GEMM, cuBLAS, the fused quantized GEMV and its rows buckets), so a verify over k + 1 rows cannot
+equal k + 1 one-row decode steps. Instead every step, plain decode included, has STEP_ROWS rows: one GEMM shape,
+where a row's bytes do not depend on its index or on the other rows; the recurrent parts (conv, gated delta rule)
+run row by row through the one-token kernels; attention masks by position over the KV bucket of the first row,
+and a step drafts only as far as that bucket reaches. Committing ``c`` tokens then copies row ``c - 1``'s state into
+the arena: bit-identical to ``c`` plain steps. KV rows past the committed position are zeroed (the main and the MTP
+cache). The MTP head's KV rows written while drafting are rewritten by the verify with the model's hidden states.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .arena import LAST_TOKEN, POSITION, RNG_COUNTER, Arena
+from .model import Qwen35, StepRows
+from .sampler import Sampler
+
+MAX_SPECULATIVE_TOKENS = 4
+STEP_ROWS = MAX_SPECULATIVE_TOKENS + 1
+
+
+class RowStates:
+    """The arena's fixed-size state (meta, hidden, conv, recurrent) after each row of a verify step, each row laid
+    out byte for byte as the arena's fixed span, so that committing a row is one copy."""
+
+    def __init__(self, arena: Arena, rows: int):
+        self.span = arena.specs["kv"].offset
+        self.storage = torch.zeros(rows, self.span, dtype=torch.uint8, device=arena.storage.device)
+        self._specs = {name: arena.specs[name] for name in arena.fixed_names}
+
+    def view(self, row, name: str) -> torch.Tensor:
+        """Buffer ``name`` of row ``row`` (an int), or of every row (``row`` = slice(None): a leading row dim)."""
+        spec = self._specs[name]
+        raw = self.storage[row, spec.offset:spec.offset + spec.nbytes].view(spec.dtype)
+        return raw.unflatten(-1, spec.shape)
+
+
+@dataclasses.dataclass
+class Stats:
+    """Counts of speculative steps: drafted and accepted tokens, steps and committed tokens."""
+    steps: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, drafted: int, committed: int) -> None:
+        self.steps += 1
+        self.tokens += committed
+        self.drafted += drafted
+        self.accepted += committed - 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+class Stepper:
+    """The static buffers and the step function of every (k, greedy, kv bucket), over the model's arena and the
+    engine's token buffer (``tokens``, at least STEP_ROWS long)."""
+
+    def __init__(self, model: Qwen35, sampler: Sampler, tokens: torch.Tensor):
+        arena, device = model.arena, tokens.device
+        self.model, self.sampler, self.arena, self.tokens = model, sampler, arena, tokens
+        self.rows = RowStates(arena, STEP_ROWS)
+        self.count = torch.ones((), dtype=torch.int64, device=device)      # live rows of the step
+        self.committed = torch.ones((), dtype=torch.int64, device=device)  # 1 + accepted drafts
+        hidden = arena["hidden"]
+        self.hidden_rows = torch.zeros(STEP_ROWS, hidden.shape[0], dtype=hidden.dtype, device=device)
+        self.pick_rows = torch.zeros_like(self.hidden_rows)               # row 0: the arena's hidden state
+        self.offsets = torch.arange(STEP_ROWS, device=device)
+
+    def _pick(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+        return self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
+
+    def step(self, k: int, greedy: bool, kv_len: int):
+        """The step with ``k`` drafts (set ``count`` to k + 1 before running it); it leaves the picked token and the
+        drafts in ``tokens[:k + 1]`` and, with k > 0, the number to commit in ``committed``."""
+        model, tokens, meta = self.model, self.tokens, self.arena["meta"]
+
+        def run():
+            self.pick_rows[0].copy_(self.arena["hidden"])
+            tokens[:1].copy_(self._pick(model.logits(self.pick_rows)[0], greedy))
+            if k == 0:
+                model.forward(tokens[:STEP_ROWS], kv_len, count=self.count, step=StepRows(live=1))
+                return
+            rows_meta = self.rows.view(slice(None), "meta")                  # after row j: as plain after token j
+            rows_meta.copy_(meta.expand(STEP_ROWS, -1))
+            rows_meta[:, POSITION] += self.offsets + 1
+            if not greedy:                                                    # the first draw is counted in meta
+                rows_meta[:, RNG_COUNTER] += self.offsets
+            self._draft(k, kv_len)
+            rows_meta[:, LAST_TOKEN] = tokens[:STEP_ROWS]
+            model.forward(tokens[:STEP_ROWS], kv_len, count=self.count,
+                          step=StepRows(live=k + 1, states=self.rows, hidden=self.hidden_rows))
+            self.rows.view(slice(None), "hidden").copy_(self.hidden_rows)
+            logits = model.logits(self.hidden_rows)
+            checks = torch.cat([self._pick(logits[row], greedy) for row in range(k)])
+            self.committed.copy_(1 + (checks == tokens[1:k + 1]).long().cumprod(0).sum())
+        return run
+
+    def _draft(self, k: int, kv_len: int) -> None:
+        """k greedy MTP drafts after tokens[0] into tokens[1:k + 1]; the head's KV at position p + i."""
+        model, tokens = self.model, self.tokens
+        previous, position = self.arena["hidden"][None], self.arena["meta"][POSITION:POSITION + 1]
+        for i in range(k):
+            previous = model.mtp_draft(tokens[i:i + 1], previous, position + i, kv_len)
+            tokens[i + 1:i + 2].copy_(model.logits(previous).argmax(-1))
+
+    def commit(self, row: int) -> None:
+        """Make the state after verify row ``row`` live (its KV rows are in place already)."""
+        self.arena.storage[:self.rows.span].copy_(self.rows.storage[row])
+
+    def invalidate(self, start: int, end: int) -> None:
+        """Zero the KV rows [start, end) of the main and the MTP cache (written by a verify, not committed)."""
+        if end > start:
+            for name in ("kv", "mtp_kv"):
+                if name in self.arena.specs:
+                    self.arena[name][start:end].zero_()

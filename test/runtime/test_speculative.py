@@ -1,0 +1,324 @@
+"""Self-speculative decoding with the MTP head (runtime/speculative.py) on a model trained here (the ``trained``
+fixture: its MTP head drafts tokens the model accepts, where random weights accept almost none).
+
+Two decode plans. speculative_tokens = 0 runs main's one-row decode step (plan "flashrt-plan-2", main's
+fingerprint and bytes); > 0 runs every step over STEP_ROWS rows ("flashrt-plan-3-spec"), whose GEMMs give other
+bytes, so capsules do not move between the two (FINGERPRINT_MISMATCH, naming the plans).
+
+The oracle of speculation is therefore its own plan without drafts: a speculative engine asked for one token per
+generate call never drafts (a step drafts at most the tokens still wanted minus one), so each of its steps is the
+plan's draft-free STEP_ROWS-row step, token for token plain decoding at that plan. Every token, and the live
+state's bytes after every token, must equal the oracle's with any number of drafts; so must every capsule operation
+in between. Greedy tokens also equal the one-row plan's on this model (a check, not the oracle)."""
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
+from flashrt_ros.runtime.arena import POSITION
+from flashrt_ros.runtime.engine import PLAN_VERSION, SPECULATIVE_PLAN_VERSION
+
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+
+
+def engine(folder, k: int, **overrides) -> Engine:
+    return Engine(EngineConfig(model=str(folder), speculative_tokens=k, max_context=512, **overrides))
+
+
+def prompts(folder, engine_: Engine, count: int, length: int) -> list[list[int]]:
+    text = (folder / "heldout.txt").read_text(encoding="utf-8")
+    ids = engine_.tokenizer.encode(text)
+    return [ids[i * 97:i * 97 + length] for i in range(count)]
+
+
+def run(e: Engine, prompt: list[int], tokens: int, sampling=None) -> tuple[list[int], list[torch.Tensor]]:
+    """Tokens and the live bytes after each of them."""
+    e.reset()
+    e.ingest(prompt)
+    out, states = [], []
+    for token in e.generate(tokens, sampling, stop_token_ids=[]):
+        out.append(token)
+        states.append(e.live_bytes())
+    return out, states
+
+
+def undrafted(e: Engine, tokens: int, sampling=None):
+    """The oracle's stream: one token per generate call on an engine of the speculative plan, so no step drafts."""
+    assert e.plan == SPECULATIVE_PLAN_VERSION
+    for _ in range(tokens):
+        yield from e.generate(1, sampling, stop_token_ids=[])
+        assert e.generation_stats.drafted == 0
+
+
+def run_undrafted(e: Engine, prompt: list[int], tokens: int, sampling=None) -> tuple[list[int], list[torch.Tensor]]:
+    """:func:`run` through the oracle's stream."""
+    e.reset()
+    e.ingest(prompt)
+    out, states = [], []
+    for token in undrafted(e, tokens, sampling):
+        out.append(token)
+        states.append(e.live_bytes())
+    return out, states
+
+
+def assert_same_stream(got, want):
+    assert got[0] == want[0]
+    for index, (a, b) in enumerate(zip(got[1], want[1])):
+        assert torch.equal(a, b), f"live state differs after token {index}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_greedy_speculation_is_token_and_byte_identical_to_its_plan_without_drafts(trained, kernels):
+    """k = 1..4, three prompts, at a short and a long context (the long one crosses a KV bucket, where drafts stop
+    at the bucket's end): tokens and the live state after every token equal the oracle's (the plan's draft-free
+    steps), and so does the state at a stop token inside a step; the drafts were accepted often (else no verify row
+    was committed); the tokens are also the one-row plan's. With Triton's interpreter one short case, 1 and 4
+    drafts."""
+    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU runs through its interpreter (test/conftest.py sets TRITON_INTERPRET=1)")
+    folder, _ = trained
+    oracle, plain = engine(folder, 1, kernels=kernels), engine(folder, 0, kernels=kernels)
+    cases = [(p, 24) for p in prompts(folder, plain, 3, 20)] + [(p, 12) for p in prompts(folder, plain, 1, 250)]
+    drafts = range(1, 5)
+    if kernels == "triton":    # the interpreter is slow (all cases ran past 15 minutes): one short case, 1 and 4 drafts
+        cases, drafts = [(cases[0][0][:12], 10)], (1, 4)
+    wants = [run_undrafted(oracle, prompt, tokens) for prompt, tokens in cases]
+    assert [want[0] for want in wants] == [run(plain, prompt, tokens)[0] for prompt, tokens in cases]
+    for k in drafts:
+        spec = engine(folder, k, kernels=kernels)
+        assert spec.fingerprint == oracle.fingerprint != plain.fingerprint    # capsules move between any k > 0
+        for (prompt, tokens), want in zip(cases, wants):
+            assert_same_stream(run(spec, prompt, tokens), want)
+            run_undrafted(oracle, prompt, tokens)      # the whole arena too: nothing past the position differs either
+            assert torch.equal(spec.arena.storage, oracle.arena.storage)
+            # a stop token inside a step: the state is the oracle's there, and the KV rows the step wrote past
+            # it (accepted or rejected drafts) are zeroed, so after the reset nothing is left past the position
+            stop = want[0][tokens // 2]
+            cut = want[0].index(stop) + 1
+            spec.reset()
+            spec.ingest(prompt)
+            assert list(spec.generate(tokens, stop_token_ids=[stop])) == want[0][:cut]
+            assert torch.equal(spec.live_bytes(), want[1][cut - 1])
+            for name in ("kv", "mtp_kv"):
+                assert not spec.arena[name][spec.position:].any(), name
+        stats = spec.speculative_stats
+        assert stats.accepted >= (10 if kernels == "reference" else 2) and stats.tokens_per_step > 1.1, stats
+
+
+def test_seeded_sampling_is_the_draw_of_its_plan_and_replays_from_a_capsule(trained, tmp_path):
+    """A sampled stream with drafts is the draft-free stream of its plan (a draft is kept only where it equals the
+    draw); a capsule taken between two tokens of a step continues token-identically with 3 drafts and, in another
+    engine, without drafts."""
+    folder, _ = trained
+    spec, oracle = (engine(folder, k, capsule_dir=str(tmp_path)) for k in (3, 1))
+    prompt = prompts(folder, oracle, 1, 30)[0]
+    want = run_undrafted(oracle, prompt, 30, SAMPLED)
+    assert_same_stream(run(spec, prompt, 30, SAMPLED), want)
+    assert spec.speculative_stats.accepted > 0
+    spec.reset()
+    spec.ingest(prompt)
+    stream = spec.generate(30, SAMPLED, stop_token_ids=[])
+    head = [next(stream) for _ in range(7)]
+    spec.snapshot("mid")
+    rest = list(stream)
+    assert head + rest == want[0]
+    spec.export_capsule("mid")
+    oracle.import_capsule("mid")
+    for e in (spec, oracle):
+        e.restore("mid")
+        assert list(e.generate(23, SAMPLED, stop_token_ids=[])) == rest
+        assert torch.equal(e.live_bytes(), want[1][-1])
+
+
+def test_capsules_do_not_move_between_speculation_on_and_off(trained, tmp_path):
+    """The two decode plans give other bytes, so a capsule file taken with drafts on (between two tokens of a
+    step) is refused by an engine with them off, and one taken with them off by the engine with them on:
+    FINGERPRINT_MISMATCH naming both plans; the refusing engine's live state, position and store are untouched."""
+    folder, _ = trained
+    spec, plain = (engine(folder, k, capsule_dir=str(tmp_path)) for k in (4, 0))
+    assert (plain.plan, spec.plan) == (PLAN_VERSION, SPECULATIVE_PLAN_VERSION)
+    prompt = prompts(folder, plain, 1, 40)[0]
+    for source, target, capsule_id in ((spec, plain, "on"), (plain, spec, "off")):
+        source.reset()
+        source.ingest(prompt)
+        stream = source.generate(20, stop_token_ids=[])
+        [next(stream) for _ in range(5)]
+        source.snapshot(capsule_id)
+        source.export_capsule(capsule_id)
+        target.reset()
+        target.ingest(prompt[:17])
+        live, position, stored = target.live_bytes(), target.position, target.capsules()
+        with pytest.raises(FlashRTError, match="decode plan differs") as err:
+            target.import_capsule(capsule_id)
+        assert err.value.code == ErrorCode.FINGERPRINT_MISMATCH
+        assert source.plan in str(err.value) and target.plan in str(err.value)
+        assert (target.position, target.capsules()) == (position, stored)
+        assert torch.equal(target.live_bytes(), live)
+
+
+def test_plain_engine_runs_mains_one_row_decode_step(trained):
+    """speculative_tokens = 0 is main's plan: its fingerprint is the one-row plan's, and its decode leaves the
+    arena's bytes of main's one-row step (the model run over one token per step, driven here by hand), greedy and
+    sampled; the speculative plan has another fingerprint."""
+    folder, _ = trained
+    plain, by_hand = engine(folder, 0), engine(folder, 0)
+    assert plain.plan == PLAN_VERSION == "flashrt-plan-2"     # main's plan: capsules of main stay valid
+    assert plain.fingerprint == by_hand.fingerprint != engine(folder, 2).fingerprint
+    prompt = prompts(folder, plain, 1, 30)[0]
+    for sampling in (None, SAMPLED):
+        tokens = run(plain, prompt, 12, sampling)[0]
+        by_hand.reset()
+        by_hand.ingest(prompt)
+        by_hand.sampler.configure(sampling or SamplingParams())
+        model, arena, buffer = by_hand.model, by_hand.arena, torch.zeros(1, dtype=torch.int64)
+        for want in tokens:
+            logits = model.logits()
+            buffer.copy_(by_hand.sampler.sample(logits, arena["meta"]) if sampling else by_hand.sampler.greedy(logits))
+            assert int(buffer) == want
+            model.forward(buffer, by_hand._kv_bucket(int(arena["meta"][POSITION]) + 1))
+        assert torch.equal(plain.arena.storage, arena.storage)
+
+
+def test_speculative_tokens_is_checked():
+    for bad in (-1, 5):
+        with pytest.raises(FlashRTError, match="speculative_tokens") as err:
+            EngineConfig(speculative_tokens=bad).validate()
+        assert err.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+class SpeculationAgainstOracle(RuleBasedStateMachine):
+    """Steps with drafts interleaved with snapshot / restore / fork / rollback / a capsule taken between two tokens
+    of one step, on a speculative engine and on the oracle (an engine of the same plan fed one token per generate
+    call: no drafts), the model: after every rule the tokens and the live bytes agree."""
+    folder = None
+
+    @initialize()
+    def start(self):
+        self.spec, self.oracle = engine(self.folder, 3), engine(self.folder, 1)
+        prompt = prompts(self.folder, self.oracle, 1, 16)[0]
+        for e in (self.spec, self.oracle):
+            e.ingest(prompt)
+        self.ids: list[str] = []
+        self.check()
+
+    def check(self):
+        assert self.spec.position == self.oracle.position
+        assert torch.equal(self.spec.live_bytes(), self.oracle.live_bytes())
+
+    def both(self, call):
+        results = [call(e) for e in (self.spec, self.oracle)]
+        assert results[0] == results[1]
+        self.check()
+        return results[0]
+
+    @precondition(lambda self: 0 < self.spec.position < 400)
+    @rule(tokens=st.integers(1, 9), sampled=st.booleans())
+    def generate(self, tokens, sampled):
+        sampling = SAMPLED if sampled else None
+        self.both(lambda e: list(self.stream(e, tokens, sampling)))
+
+    def stream(self, e: Engine, tokens: int, sampling=None):
+        if e is self.oracle:
+            return undrafted(e, tokens, sampling)
+        return e.generate(tokens, sampling, stop_token_ids=[])
+
+    @precondition(lambda self: 0 < self.spec.position < 400)
+    @rule(before=st.integers(1, 6), after=st.integers(0, 6), restore=st.booleans())
+    def capsule_inside_a_step(self, before, after, restore):
+        """Take ``before`` tokens, snapshot between two tokens (inside a step of the speculative engine), maybe
+        restore it (the generation then goes on from the restored state), take ``after`` more."""
+        capsule_id = f"c{len(self.ids)}"
+        streams = [self.stream(e, before + after) for e in (self.spec, self.oracle)]
+        heads = [[next(s) for _ in range(before)] for s in streams]
+        assert heads[0] == heads[1]
+        self.both(lambda e: e.snapshot(capsule_id).position)
+        self.ids.append(capsule_id)
+        if restore:
+            self.both(lambda e: e.restore(capsule_id).position)
+        tails = [list(s) for s in streams]
+        assert tails[0] == tails[1]
+        self.check()
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def restore(self, data):
+        capsule_id = data.draw(st.sampled_from(self.ids))
+        self.both(lambda e: e.restore(capsule_id).position)
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def fork_and_switch(self, data):
+        source = data.draw(st.sampled_from(self.ids))
+        new_id = f"f{len(self.ids)}"
+        self.both(lambda e: e.fork(source, new_id, switch=True).position)
+        self.ids.append(new_id)
+
+    @rule(steps=st.integers(1, 4))
+    def rollback(self, steps):
+        def back(e):
+            try:
+                return e.rollback(steps=steps)
+            except FlashRTError as err:
+                return err.code
+        self.both(back)
+
+
+@pytest.mark.timeout(900)
+def test_speculation_against_its_plan_without_drafts_stateful(trained):
+    SpeculationAgainstOracle.folder = trained[0]
+    SpeculationAgainstOracle.TestCase.settings = settings(
+        max_examples=6, stateful_step_count=8, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    SpeculationAgainstOracle.TestCase().runTest()
+
+
+def test_session_preempts_and_resumes_a_speculative_stream_and_reports_its_figures(trained):
+    """The node's Session on a speculative engine: a request preempted between two tokens of a step and resumed
+    gives the oracle's tokens, and each result carries the request's acceptance rate and tokens per step."""
+    from flashrt_ros.discretiser import Discretiser
+    from flashrt_ros.session import PRIORITY_URGENT, ObservationInput, Session
+
+    folder, _ = trained
+    oracle, spec = engine(folder, 1), engine(folder, 3)
+    prompt = prompts(folder, oracle, 2, 30)
+    want = run_undrafted(oracle, prompt[0], 24)[0]
+
+    def finish(generation):
+        while generation.step():
+            pass
+        return generation.outcome.result()
+
+    session = Session(spec, discretiser=Discretiser(bins=8, token_offset=0), emit=lambda _: None,
+                      stream_chunk_tokens=4)
+    first = session.observe(ObservationInput(token_ids=prompt[0], max_new_tokens=24))
+    for _ in range(2):                 # two chunks of 4: token 8 is inside a step of 1 + 3 drafts at most
+        first.step()
+    finish(session.observe(ObservationInput(token_ids=prompt[1][:5], max_new_tokens=3, priority=PRIORITY_URGENT)))
+    interrupted = first.outcome.result()
+    session.resume()
+    resumed = finish(session.active)
+    assert interrupted.token_ids + resumed.token_ids == want
+    assert resumed.tokens_per_step > 1 and 0 < resumed.acceptance_rate <= 1
+    stats = spec.generation_stats
+    assert (resumed.acceptance_rate, resumed.tokens_per_step) == (stats.acceptance_rate, stats.tokens_per_step)
+
+
+def test_a_constraint_is_refused_on_the_speculative_plan_and_allowed_on_the_plain_one(trained):
+    """Drafts are not checked against a grammar yet, and the speculative step applies no mask: a constrained request
+    on that plan is refused before anything changes, while the plain plan of the same model takes it."""
+    folder, _ = trained
+    speculative = engine(folder, 2)
+    speculative.ingest(prompts(folder, speculative, 1, 20)[0])
+    before = speculative.live_bytes()
+    with pytest.raises(FlashRTError) as refused:
+        speculative.compile_constraint("json_schema", '{"type": "integer"}')
+    assert refused.value.code == ErrorCode.INVALID_ARGUMENT and "speculative_tokens 0" in refused.value.message
+    assert speculative.constraint is None and torch.equal(speculative.live_bytes(), before)
+    plain = engine(folder, 0)
+    plain.constrain(plain.compile_constraint("json_schema", '{"type": "integer"}'))
+    assert plain.constraint is not None
