@@ -74,6 +74,10 @@ def llg_tokenizer(tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
     """The runtime's tokenizer given to llguidance (``ByteTokenizer`` or ``HFTokenizer``, see tokenizer.py)."""
     llg = _llguidance()
     if isinstance(tokenizer, HFTokenizer):      # llguidance reads tokenizer.json itself (no transformers needed)
+        if not eos_token_ids:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "constrained decoding needs the model's end-of-sequence "
+                                                           "token (eos_token_id in config.json or generation_config"
+                                                           ".json), which ends a completed output; this model has none")
         return llg.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
     if not isinstance(tokenizer, ByteTokenizer):
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "constrained decoding needs a tokenizer (this model has none)")
