@@ -451,6 +451,10 @@ class Engine:
             for row, token in enumerate(tokens[:committed]):
                 if drafts:
                     self.stepper.commit(row)
+                if self.constraint is not None:
+                    self.constraint.accept(token)
+                    if self.constraint.stopped:
+                        stops = stops | {token}
                 self._moved_to(position + row + 1)
                 self._push_boundary(position + row + 1)
                 boundary = self._boundaries[-1]
