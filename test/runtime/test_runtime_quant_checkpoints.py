@@ -230,11 +230,12 @@ def test_a_stored_format_loaded_dense_is_its_dequantised_weights_with_a_warning(
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A Qwen3.5 trained here for a few seconds (bench/train_tiny_lm.py): confident predictions, unlike random
-    weights, so a wrongly read scale or code changes them."""
+    weights, so a wrongly read scale or code changes them. Without an MTP head: transformers' model class, which
+    compressed-tensors quantizes and saves, has none, so its folder would lack the mtp.* tensors the config names."""
     folder = tmp_path_factory.mktemp("trained") / "lm"
     train = bench_scripts.load("train_tiny_lm")
     train.build(folder, steps=80, hidden=64, layers=4, heads=4, head_dim=16, vocab=320, batch=16, seq_len=64,
-                lr=3e-3, corpus_chars=200_000, heldout=0.05, seed=0)
+                lr=3e-3, corpus_chars=200_000, heldout=0.05, seed=0, mtp=False)
     return folder, (folder / train.HELDOUT_FILE).read_text()
 
 
