@@ -407,7 +407,10 @@ class Engine:
 
     def _drafts(self, position: int, remaining: int) -> int:
         """How many drafts the step at ``position`` verifies: the configured number, fewer where the context, the
-        tokens still wanted or the first row's KV bucket (which every row attends over) end sooner."""
+        tokens still wanted or the first row's KV bucket (which every row attends over) end sooner; none on the plain
+        plan, without a bucket lookup per token."""
+        if self.stepper is None:
+            return 0
         bucket = self._kv_bucket(position + 1)
         return max(0, min(self.config.speculative_tokens, remaining - 1, self.max_context - position - 1,
                           bucket - position - 1))
