@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from .errors import ErrorCode, FlashRTError
+from .vision.config import VisionConfig, vision_from_hf_dict
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -32,6 +33,7 @@ class ModelConfig:
     mtp_num_hidden_layers: int = 0
     max_position_embeddings: int = 262_144
     eos_token_ids: tuple[int, ...] = ()
+    vision: VisionConfig | None = None          # the vision tower, when the checkpoint or preset has one
 
     @property
     def num_layers(self) -> int:
@@ -62,7 +64,11 @@ class ModelConfig:
         return 2 * self.linear_key_dim + self.linear_value_dim
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """Canonical JSON (a text-only config's is what it was before vision existed: fingerprints unchanged)."""
+        fields = dataclasses.asdict(self)
+        if fields["vision"] is None:
+            del fields["vision"]
+        return json.dumps(fields, sort_keys=True)
 
     def validate(self) -> "ModelConfig":
         problems = []
@@ -78,6 +84,8 @@ class ModelConfig:
             problems.append("at most one MTP layer is supported")
         if problems:
             raise FlashRTError(ErrorCode.LOAD_FAILED, "unsupported model config: " + "; ".join(problems))
+        if self.vision is not None:
+            self.vision.validate(self.hidden_size, self.vocab_size)
         return self
 
 
@@ -113,6 +121,7 @@ def from_hf_dict(raw: dict) -> ModelConfig:
             rope_theta=float(rope["rope_theta"]), partial_rotary_factor=float(rope["partial_rotary_factor"]),
             tie_word_embeddings=bool(tie), mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
             max_position_embeddings=text.get("max_position_embeddings", 262_144), eos_token_ids=eos_ids,
+            vision=vision_from_hf_dict(raw),
         ).validate()
     except KeyError as missing:
         raise FlashRTError(ErrorCode.LOAD_FAILED, f"config.json lacks required field {missing}") from None
@@ -134,26 +143,39 @@ def _hybrid(n: int) -> tuple[str, ...]:
     return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n))
 
 
+def _qwen_vision(depth: int, hidden: int, intermediate: int, heads: int, out: int) -> VisionConfig:
+    """A released Qwen3.5/3.6 vision tower's shape (16-pixel patches, 2x2 merge, Qwen's multimodal token ids)."""
+    return VisionConfig(depth=depth, hidden_size=hidden, intermediate_size=intermediate, num_heads=heads,
+                        out_hidden_size=out, image_token_id=248056, vision_start_token_id=248053,
+                        vision_end_token_id=248054)
+
+
+# CPU tests and the demo: byte-level vocabulary (0-255 bytes, 256 end-of-text, the rest free for the discretiser).
+_TINY = ModelConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=128, layer_types=_hybrid(4), num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, rope_theta=10_000.0, tie_word_embeddings=True,
+    mtp_num_hidden_layers=1, max_position_embeddings=65_536, eos_token_ids=(256,))
+
 PRESETS: dict[str, ModelConfig] = {
-    # CPU tests and the demo: byte-level vocabulary (0-255 bytes, 256 end-of-text, the rest free for the discretiser).
-    "tiny": ModelConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, layer_types=_hybrid(4), num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, rope_theta=10_000.0, tie_word_embeddings=True,
-        mtp_num_hidden_layers=1, max_position_embeddings=65_536, eos_token_ids=(256,)),
+    "tiny": _TINY,
+    # tiny with a two-block vision tower; ids 512-514 place an image (tiny's own ids and weights are unchanged)
+    "tiny-vl": dataclasses.replace(_TINY, vocab_size=516, vision=VisionConfig(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, image_token_id=514,
+        vision_start_token_id=512, vision_end_token_id=513, num_position_embeddings=64)),
     "qwen3.5-0.8b": ModelConfig(
         vocab_size=248_320, hidden_size=1024, intermediate_size=3584, layer_types=_hybrid(24),
         num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
         linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-        tie_word_embeddings=True, mtp_num_hidden_layers=1),
-    "qwen3.5-2b": ModelConfig(
+        tie_word_embeddings=True, mtp_num_hidden_layers=1, vision=_qwen_vision(12, 768, 3072, 12, 1024)),
+    "qwen3.5-2b": ModelConfig(  # its vision shape is assumed (the 4B's tower, out 2048): no public config read
         vocab_size=248_320, hidden_size=2048, intermediate_size=6144, layer_types=_hybrid(24),
         num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
         linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-        tie_word_embeddings=True, mtp_num_hidden_layers=1),
+        tie_word_embeddings=True, mtp_num_hidden_layers=1, vision=_qwen_vision(24, 1024, 4096, 16, 2048)),
     "qwen3.6-27b": ModelConfig(
         vocab_size=248_320, hidden_size=5120, intermediate_size=17_408, layer_types=_hybrid(64),
         num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
         linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
-        tie_word_embeddings=False, mtp_num_hidden_layers=1),
+        tie_word_embeddings=False, mtp_num_hidden_layers=1, vision=_qwen_vision(27, 1152, 4304, 16, 5120)),
 }

@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     bk.set_defaults(func=cmd_bench_constraint)
     pl = sub.add_parser("plan", help="weights + arena + history + capsule budget per preset and format, against a "
                                      "memory size (default: Thor's 128 GB); nothing is loaded")
-    pl.add_argument("--presets", default=",".join(p for p in PRESETS if p != "tiny"))
+    pl.add_argument("--presets", default=",".join(p for p in PRESETS if not p.startswith("tiny")))
     pl.add_argument("--formats", default=",".join(quant.FORMATS))
     pl.add_argument("--memory-gb", type=float, default=plan.THOR_MEMORY_BYTES / 10**9)
     pl.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
