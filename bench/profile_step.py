@@ -1,6 +1,7 @@
 """Where do a decode step, the capsule TTFT's small piece and its first-token logits spend GPU time? A diagnostic
-run on the device: ``python3 bench/profile_step.py PRESET CONTEXT [SUFFIX] [WEIGHTS_FORMAT]`` prints the replay
-times and, per step, the top kernels by device time (torch.profiler)."""
+run on the device: ``python3 bench/profile_step.py PRESET CONTEXT [SUFFIX] [WEIGHTS_FORMAT] [SPECULATIVE_TOKENS]``
+prints the replay times and, per step, the top kernels by device time (torch.profiler). With SPECULATIVE_TOKENS k > 0
+the decode step profiled is the speculative plan's step with k drafts."""
 import sys
 
 import torch
@@ -15,16 +16,17 @@ preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-0.8b"
 context = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
 suffix = int(sys.argv[3]) if len(sys.argv) > 3 else 24
 weights_format = sys.argv[4] if len(sys.argv) > 4 else "dense"
+drafts = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 engine = Engine(EngineConfig(model=preset, device="cuda", dtype="bfloat16", max_context=context + 128,
                              prefill_chunk=2048, checksum_on_snapshot=False, weights_format=weights_format,
-                             capsule_budget_bytes=16 << 30))
+                             capsule_budget_bytes=16 << 30, speculative_tokens=drafts))
 device = engine.device
 engine.ingest(prompt_tokens(engine.vocab_size, context, "profile"))
 engine.snapshot("base")
-decode = engine.graphs.graphs[("step", 0, True, engine._kv_bucket(context + 1))]
+decode = engine.graphs.graphs[engine._step(drafts, True, engine._kv_bucket(context + 1 + drafts))[0]]
 piece = engine.graphs.graphs[("piece", _piece_bucket(suffix), engine._kv_bucket(context + suffix))]
 engine._count.fill_(suffix)
-steps = {"decode graph": decode.replay, f"piece graph ({suffix} tokens)": piece.replay,
+steps = {f"decode graph ({drafts} drafts)": decode.replay, f"piece graph ({suffix} tokens)": piece.replay,
          "first-token logits + argmax": engine.peek_token, "restore (lineage)": lambda: engine.restore("base")}
 
 
