@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# capsules | load; quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS)
+# capsules | load; quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS, PROFILE_DRAFTS)
 # Every phase keeps its whole log under $OUT (the device tool returns only the output's tail).
 # The wheels in .whl, where there are any (transformers 5.24.0, fla-core 0.6.0: what the machine lacks), are installed first.
 # Runs on an H100 as well: every result records the card's name.
@@ -55,9 +55,11 @@ for phase in "$@"; do
     profile)
       preset=${PROFILE_PRESET:-qwen3.5-0.8b}; format=${PROFILE_FORMAT:-dense}
       for context in ${PROFILE_CONTEXTS:-16384 8192}; do
-        timeout "${BENCH_TIMEOUT_S:-540}" python3 bench/profile_step.py $preset $context 24 $format \
-            > "$OUT/profile_${preset}_${format}_$context.txt" 2>&1
-        echo "profile $context rc=$?"; grep -E " ms$|graphs" "$OUT/profile_${preset}_${format}_$context.txt"
+        for drafts in ${PROFILE_DRAFTS:-0}; do
+          log="$OUT/profile_${preset}_${format}_${context}_d$drafts.txt"
+          timeout "${BENCH_TIMEOUT_S:-540}" python3 bench/profile_step.py $preset $context 24 $format $drafts > "$log" 2>&1
+          echo "profile $context drafts $drafts rc=$?"; grep -E " ms$|graphs" "$log"
+        done
       done
       ;;
     capsules)
