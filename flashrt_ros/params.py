@@ -57,6 +57,8 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
      "BUDGET_EXCEEDED", (1, 1 << 20), None),
     ("speculative_tokens", 0, "MTP drafts verified per decode step (0 = off; needs the model's MTP head); > 0 runs "
      "5-row steps whose capsules do not move to an engine with 0 (another decode plan)", (0, MAX_SPECULATIVE_TOKENS), None),
+    ("draft_vocab", 0, "MTP drafts pick among the first draft_vocab token ids (0 = all): a smaller head read per draft, "
+     "maybe fewer accepted; speed only, the output and capsules are the same for every value", (0, _INT_MAX), None),
     ("history_depth", 32, "commit boundaries kept for rollback(steps=k)", (1, 1 << 16), None),
     ("seed", 0, "weights seed for presets and the sampler seed after reset", (0, 2**63 - 1), None),
     ("sampling.temperature", 0.0, "default sampling temperature (0 = greedy)", (0.0, 100.0), None),
@@ -173,7 +175,7 @@ def read_settings(node) -> NodeSettings:
             capsule_budget_fraction=p["capsule_budget_fraction"], capsule_dir=p["capsule_dir"],
             capsule_key_file=p["capsule_key_file"], capsule_evict_policy=p["capsule_evict_policy"],
             capsule_host_budget_bytes=p["capsule_host_budget_mb"] << 20, max_capsules=p["max_capsules"],
-            speculative_tokens=p["speculative_tokens"]),
+            speculative_tokens=p["speculative_tokens"], draft_vocab=p["draft_vocab"]),
         discretiser=Discretiser(
             low=p["discretiser.low"], high=p["discretiser.high"], bins=p["discretiser.bins"],
             token_offset=p["discretiser.token_offset"], dims=p["discretiser.dims"],

@@ -72,6 +72,7 @@ class EngineConfig:
     capsule_host_budget_bytes: int = 1 << 30   # pinned host tier (discrete GPUs only; 0 = none)
     max_capsules: int = 1024            # capsules stored at once, on every tier (each costs time in every listing)
     speculative_tokens: int = 0         # MTP drafts verified per decode step (0 = off; see speculative.py)
+    draft_vocab: int = 0                # drafts pick among the first draft_vocab token ids (0 = all; speed only)
 
     def validate(self) -> "EngineConfig":
         def bad(why):
@@ -97,6 +98,8 @@ class EngineConfig:
             raise bad(f"max_capsules must be >= 1, got {self.max_capsules}")
         if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise bad(f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}")
+        if self.draft_vocab < 0:
+            raise bad(f"draft_vocab must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab}")
         if not 0.0 <= self.capsule_budget_fraction <= 1.0:
             raise bad(f"capsule_budget_fraction must be in [0, 1], got {self.capsule_budget_fraction}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -168,7 +171,8 @@ class Engine:
         self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET, STEP_ROWS), dtype=torch.int64,
                                    device=self.device)
         # the speculative plan's steps (None: main's one-row decode step, see _decode_step)
-        self.stepper = Stepper(self.model, self.sampler, self._tokens) if cfg.speculative_tokens else None
+        self.stepper = Stepper(self.model, self.sampler, self._tokens, self._draft_vocab(cfg.draft_vocab)) \
+            if cfg.speculative_tokens else None
         self.speculative_stats = Stats()          # since start
         self.generation_stats = Stats()           # of the last generate call
         self._count = torch.ones((), dtype=torch.int64, device=self.device)  # real tokens of a small piece
@@ -204,6 +208,12 @@ class Engine:
         self.reset()
 
     # ---- properties --------------------------------------------------------------------------------------
+    def _draft_vocab(self, requested: int) -> int:
+        if requested > self.model_config.vocab_size:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"draft_vocab {requested} exceeds the model's vocabulary "
+                                                           f"of {self.model_config.vocab_size} tokens")
+        return requested or self.model_config.vocab_size
+
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size

@@ -274,14 +274,15 @@ class Qwen35(nn.Module):
         self.rope_sin = freqs.sin().to(device=device, dtype=dtype)
         self.offsets = torch.arange(max_context, device=device)
 
-    def logits(self, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:
         """Next-token logits (fp32) from ``hidden`` (default: the last hidden state in the arena), through the
-        quantized LM head that ``weights.load`` builds, if any."""
+        quantized LM head that ``weights.load`` builds, if any; with ``vocab``, of the first ``vocab`` token ids
+        only (the head's leading rows: a contiguous view, read alone)."""
         hidden = self.arena["hidden"] if hidden is None else hidden
         head = getattr(self, "quantized_head", None)
         if head is not None:
-            return head(hidden).float()
-        return F.linear(hidden, self.output_weight()).float()
+            return head(hidden, out_features=vocab).float()
+        return F.linear(hidden, self.output_weight()[:vocab]).float()
 
     def forward(self, tokens: torch.Tensor, kv_len: int, count: torch.Tensor | None = None,
                 dense: bool = False, step: StepRows | None = None) -> None:

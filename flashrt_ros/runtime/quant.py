@@ -179,11 +179,15 @@ class QuantLinear(nn.Module):
         for name, tensor in weight.tensors().items():   # parameters, so the weights digest covers their bytes
             setattr(self, name, nn.Parameter(tensor, requires_grad=False))
 
-    def weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.fmt, self.q, self.scale, getattr(self, "row_scale", None))
+    def weight(self, out_features: int | None = None) -> QuantizedWeight:
+        """The stored weight, or its first ``out_features`` output rows (views: every tensor is row-major)."""
+        row_scale = getattr(self, "row_scale", None)
+        rows = slice(out_features)
+        return QuantizedWeight(self.fmt, self.q[rows], self.scale[rows], None if row_scale is None else row_scale[rows])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat, weight = x.reshape(-1, self.in_features), self.weight()
+    def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
+        """``x @ W.T``, or of W's first ``out_features`` rows only."""
+        flat, weight = x.reshape(-1, self.in_features), self.weight(out_features)
         reference, fused = _LINEAR[self.fmt]
         if not self.use_triton:
             out = reference(flat, *weight.tensors().values())
@@ -191,7 +195,7 @@ class QuantLinear(nn.Module):
             out = fused(flat, *weight.tensors().values())
         else:
             out = F.linear(flat, kq.dequantize_triton(weight.q, weight.scale, weight.row_scale, x.dtype))
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"

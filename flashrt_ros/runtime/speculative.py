@@ -3,7 +3,10 @@
 A step runs the main model over a fixed number of rows, :data:`STEP_ROWS`, of which ``k + 1`` are live:
 
 1. the next token is picked (greedy or the seeded draw) from the arena's last hidden state, as plain decoding does;
-2. with ``k`` > 0, the MTP head drafts ``k`` more tokens greedily, each from the one before;
+2. with ``k`` > 0, the MTP head drafts ``k`` more tokens greedily, each from the one before, among the first
+   ``draft_vocab`` token ids (BPE ids are ranked by merge frequency, so a prefix of the vocabulary holds most of
+   what is generated, and the head's LM-head read shrinks with it; drafts change only how many tokens a step
+   commits, never which, so any draft vocabulary keeps the output and the state exact);
 3. the main model runs once over the picked token and the drafts (verify), keeping the fixed-size state after each
    row (:class:`RowStates`, laid out as the arena's fixed span);
 4. each draft is checked against the token the model itself picks after the row before it: greedy, its argmax; a
@@ -78,9 +81,10 @@ class Stepper:
     """The static buffers and the step function of every (k, greedy, kv bucket), over the model's arena and the
     engine's token buffer (``tokens``, at least STEP_ROWS long)."""
 
-    def __init__(self, model: Qwen35, sampler: Sampler, tokens: torch.Tensor):
+    def __init__(self, model: Qwen35, sampler: Sampler, tokens: torch.Tensor, draft_vocab: int):
         arena, device = model.arena, tokens.device
         self.model, self.sampler, self.arena, self.tokens = model, sampler, arena, tokens
+        self.draft_vocab = draft_vocab
         self.rows = RowStates(arena, STEP_ROWS)
         self.count = torch.ones((), dtype=torch.int64, device=device)      # live rows of the step
         self.committed = torch.ones((), dtype=torch.int64, device=device)  # 1 + accepted drafts
@@ -124,7 +128,7 @@ class Stepper:
         previous, position = self.arena["hidden"][None], self.arena["meta"][POSITION:POSITION + 1]
         for i in range(k):
             previous = model.mtp_draft(tokens[i:i + 1], previous, position + i, kv_len)
-            tokens[i + 1:i + 2].copy_(model.logits(previous).argmax(-1))
+            tokens[i + 1:i + 2].copy_(model.logits(previous, vocab=self.draft_vocab).argmax(-1))
 
     def commit(self, row: int) -> None:
         """Make the state after verify row ``row`` live (its KV rows are in place already)."""

@@ -613,3 +613,22 @@ def test_a_tiny_sweep_writes_a_table_module_that_the_kernels_then_use(tmp_path, 
     for (kind, n, k, bucket), config in chosen["configs"].items():
         assert kq.gemv_config(kind, n, k, bucket, torch.device("cpu")) == kq.GemvConfig(*config)
         assert config[:2] in {tuple(c[:2]) for c in picked}
+
+
+@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "nvfp4"])
+def test_a_quantized_head_read_for_its_leading_rows_gives_those_outputs_exactly(fmt, use_triton):
+    """``out_features`` (the MTP drafts' vocabulary prefix) reads only the first rows: those columns of the whole
+    product, whatever the format's per-row or per-block scales (the fused kernel's launch configuration depends on
+    N, so its sums may be ordered differently: within its tolerance; drafts need no exactness)."""
+    g_ = gen(7)
+    layer = quant.QuantLinear(random_weight(fmt, 256, 128, g_), use_triton=use_triton)
+    x = torch.randn(3, 128, generator=g_)
+    whole, leading = layer(x), layer(x, out_features=96)
+    assert leading.shape == (3, 96)
+    if use_triton:
+        tol = gemv_tolerance(fmt, x.dtype, 3)
+        assert torch.allclose(leading, whole[:, :96], rtol=tol, atol=tol * float(whole.abs().max())), describe(
+            leading, whole[:, :96])
+    else:
+        assert torch.equal(leading, whole[:, :96])

@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
 from flashrt_ros.runtime.arena import POSITION
 from flashrt_ros.runtime.engine import PLAN_VERSION, SPECULATIVE_PLAN_VERSION
+from flashrt_ros.runtime.speculative import Stepper
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
 
@@ -324,3 +325,49 @@ has no end-of-sequence token, which a completed constrained output needs, refuse
     with pytest.raises(FlashRTError) as no_eos:
         plain.compile_constraint("json_schema", '{"type": "integer"}')
     assert no_eos.value.code == ErrorCode.INVALID_ARGUMENT and "end-of-sequence" in no_eos.value.message
+
+
+def test_a_draft_vocabulary_changes_the_drafts_and_nothing_else(trained, tmp_path, monkeypatch):
+    """draft_vocab N: every draft is among the first N token ids (the head reads only those rows of the LM head),
+    the tokens and the live state after every token are the oracle's, the acceptance differs from full-vocabulary
+    drafts, and the fingerprint is the same, so a capsule taken with one draft vocabulary continues identically
+    under another."""
+    folder, _ = trained
+    oracle = engine(folder, 1)
+    prompt = prompts(folder, oracle, 1, 20)[0]
+    want = run_undrafted(oracle, prompt, 24)
+    drafts_seen = []
+    real_draft = Stepper._draft
+
+    def recording_draft(self, k, kv_len):
+        real_draft(self, k, kv_len)
+        drafts_seen.extend(self.tokens[1:k + 1].tolist())
+    monkeypatch.setattr(Stepper, "_draft", recording_draft)
+    full = engine(folder, 2)
+    assert_same_stream(run(full, prompt, 24), want)
+    full_drafts, drafts_seen[:] = list(drafts_seen), []
+    narrow = engine(folder, 2, draft_vocab=64, capsule_dir=str(tmp_path))
+    assert narrow.fingerprint == full.fingerprint
+    assert_same_stream(run(narrow, prompt, 24), want)
+    assert drafts_seen and max(drafts_seen) < 64 and max(full_drafts) >= 64   # the text's ids reach past 64
+    assert narrow.speculative_stats.accepted != full.speculative_stats.accepted
+
+    narrow.reset()
+    narrow.ingest(prompt)
+    head = list(narrow.generate(7, stop_token_ids=[]))
+    narrow.snapshot("mid")
+    narrow.export_capsule("mid")
+    wide = engine(folder, 3, capsule_dir=str(tmp_path))
+    wide.import_capsule("mid")
+    wide.restore("mid")
+    assert head + list(wide.generate(24 - 7, stop_token_ids=[])) == want[0]
+
+
+def test_draft_vocab_is_checked(trained):
+    folder, _ = trained
+    with pytest.raises(FlashRTError) as negative:
+        EngineConfig(draft_vocab=-1).validate()
+    with pytest.raises(FlashRTError) as too_large:
+        engine(folder, 1, draft_vocab=321)
+    assert negative.value.code == too_large.value.code == ErrorCode.INVALID_ARGUMENT
+    assert "draft_vocab" in negative.value.message and "320" in too_large.value.message
