@@ -750,8 +750,6 @@ class Engine:
         identity = {"weights": weights_digest(self.model), "config": self.model_config.to_json(),
                     "manifest": self.arena.manifest_json(), "dtype": str(dtype),
                     "kernels": self.kernel_name, "device_type": self.device.type,
-                    # revision 1 adds nothing: fingerprints (and capsule files) of sets never revised stay valid
-                    **({"kernels_revision": self.kernels.revision} if self.kernels.revision > 1 else {}),
                     "prefill_chunk": self.config.prefill_chunk, "weights_format": self.weights_format}
         if self.config.weights_format != "dense":
             identity["gemv_table"] = quant_gemv.table_digest(self.device)

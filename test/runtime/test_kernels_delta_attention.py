@@ -103,9 +103,8 @@ def gdn_float64(q, k, v, a, b, A_log, dt_bias, state):
 
 
 # The presets' layouts at decode length (the interpreter runs each of their 128-192 programs in Python); longer
-# pieces at the tiny layout (100 rows: a long eager piece, four folds of the chunked kernel) and, in the padding
-# tests, at the 27B head ratio.
-GDN_CASES = [(name, length) for name in GDN_LAYOUTS for length in ((1, 9, 64, 100) if name == "tiny" else (1,))]
+# pieces at the tiny layout and, in the padding tests, at the 27B head ratio.
+GDN_CASES = [(name, length) for name in GDN_LAYOUTS for length in ((1, 9, 64) if name == "tiny" else (1,))]
 
 
 @needs_triton
@@ -141,26 +140,20 @@ def poison_rows(inputs, count):
 @pytest.mark.parametrize("seed", range(4))
 def test_gated_delta_rule_padding_rows_leave_the_state_as_if_absent(seed):
     """A piece of n real rows padded to a bucket: the Triton kernel gives the bytes of the same kernel on the n rows
-    (state and outputs), and zero output rows for the padding. (n = 1 alone is a decode step, the recurrent kernel,
-    where a padded piece folds: equal within rounding only, as for the reference.)"""
+    (state and outputs), and zero output rows for the padding."""
     g = gen(100 + seed)
     layout = GDN_LAYOUTS["tiny"] if seed % 2 else (1, 3, 32, 32)      # the 27B preset's 3 value heads per key head
     bucket = (8, 16, 5, 64)[seed]
-    for n in (1, int(torch.randint(2, bucket + 1, (1,), generator=g))):
-        inputs, arena = gdn_inputs(bucket, layout, torch.bfloat16, seed=200 + seed)
-        padded = poison_rows(inputs, n)
-        unpadded_state = arena.state.clone()
-        unpadded = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs),
-                                                      unpadded_state)
-        out = delta_rule.gated_delta_rule_triton(*padded, arena.state, torch.tensor(n, device=DEVICE))
-        if n == 1:
-            assert rel(arena.state, unpadded_state) <= STATE_TOLERANCE
-            assert rel(out[:1], unpadded) <= TOLERANCE[torch.bfloat16]
-        else:
-            assert torch.equal(arena.state, unpadded_state), f"n={n} of {bucket}"
-            assert torch.equal(out[:n], unpadded)
-        assert torch.equal(out[n:], torch.zeros_like(out[n:]))
-        assert arena.outside_untouched()
+    n = int(torch.randint(1, bucket + 1, (1,), generator=g))
+    inputs, arena = gdn_inputs(bucket, layout, torch.bfloat16, seed=200 + seed)
+    padded = poison_rows(inputs, n)
+    unpadded_state = arena.state.clone()
+    unpadded = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs), unpadded_state)
+    out = delta_rule.gated_delta_rule_triton(*padded, arena.state, torch.tensor(n, device=DEVICE))
+    assert torch.equal(arena.state, unpadded_state), f"n={n} of {bucket}"
+    assert torch.equal(out[:n], unpadded)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    assert arena.outside_untouched()
 
 
 @pytest.mark.parametrize("bucket", [8, 16, 64])

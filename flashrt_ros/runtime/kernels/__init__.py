@@ -29,9 +29,7 @@ __all__ = ["CHOICES", "KernelSet", "REFERENCE", "TRITON", "apply_rope", "attenti
 
 @dataclasses.dataclass(frozen=True)
 class KernelSet:
-    """The functions the model calls, by operation. ``name`` goes into the fingerprint and /diagnostics, with
-    ``revision``, raised whenever a kernel of the set computes other bytes (capsule files of another revision are
-    then refused instead of continuing differently)."""
+    """The functions the model calls, by operation. ``name`` goes into the fingerprint and /diagnostics."""
     name: str
     rms_norm: Callable
     add_rms_norm: Callable
@@ -43,7 +41,6 @@ class KernelSet:
     delta_rule_long: Callable      # eager pieces > SMALL_PIECE
     attention_decode: Callable     # queries at arbitrary positions over a KV bucket
     attention_prefill: Callable    # queries that are the last L of exactly T positions
-    revision: int = 1
 
 
 REFERENCE = KernelSet(
@@ -55,9 +52,8 @@ REFERENCE = KernelSet(
 TRITON = KernelSet(
     name="triton", rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton, gated_rms_norm=gated_rms_norm_triton,
     silu_mul=silu_mul_triton, causal_conv=causal_conv_triton, qk_norm_rope_kv_write=qk_norm_rope_kv_write_triton,
-    gated_delta_rule=gated_delta_rule_triton, delta_rule_long=gated_delta_rule_triton,
-    attention_decode=attention_decode_triton, attention_prefill=attention_prefill,
-    revision=2)   # 2: pieces and long prefills fold the gated delta rule in Triton (TRITON_CHUNK rows at a time)
+    gated_delta_rule=gated_delta_rule_triton, delta_rule_long=gated_delta_rule_reference,
+    attention_decode=attention_decode_triton, attention_prefill=attention_prefill)
 
 
 def _gated_delta_rule_fla(q, k, v, a, b, A_log, dt_bias, state, count=None):

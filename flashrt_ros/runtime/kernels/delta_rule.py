@@ -209,76 +209,6 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
     tl.store(s_ptrs, s, mask=s_mask)
 
 
-TRITON_CHUNK = 32   # the Triton chunked kernel's fold width: fixed, so a piece's bytes do not depend on its bucket
-
-
-@jit
-def _gated_delta_rule_chunked_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head,
-                                     a_ptr, a_row, a_head, b_ptr, b_row, b_head, a_log_ptr, dt_bias_ptr,
-                                     s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, length, dk, dv, scale, eps,
-                                     GROUPS: tl.constexpr, HAS_COUNT: tl.constexpr, CHUNK: tl.constexpr,
-                                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One program per (value head, block of BLOCK_V value columns), the rows folded CHUNK at a time (the WY form of
-    :func:`delta_rule_chunked`): per chunk, T = (I + A)^-1 of the strictly lower [CHUNK, CHUNK] system by forward
-    substitution, then four matrix products, where the recurrent kernel walks the rows one by one (each row a chain
-    of reductions over dk: ~1 us a row on an H100). The [dk, BLOCK_V] fp32 state block stays in registers."""
-    head = tl.program_id(0)
-    key_head = head // GROUPS
-    keys = tl.arange(0, BLOCK_K)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    rows = tl.arange(0, CHUNK)
-    key_mask, col_mask = keys < dk, cols < dv
-    s_ptrs = s_ptr + head * s_head + keys[:, None] * s_key + cols[None, :]
-    s_mask = key_mask[:, None] & col_mask[None, :]
-    s = tl.load(s_ptrs, mask=s_mask, other=0.0)
-    neg_a = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
-    real = length
-    if HAS_COUNT:
-        real = tl.minimum(tl.load(count_ptr).to(tl.int32), length)
-    causal = rows[:, None] >= rows[None, :]
-    identity = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for start in range(0, real, CHUNK):
-        at_rows = start + rows
-        live = at_rows < real
-        qk_mask = live[:, None] & key_mask[None, :]
-        q = tl.load(q_ptr + at_rows[:, None] * q_row + key_head * q_head + keys[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + at_rows[:, None] * k_row + key_head * k_head + keys[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + at_rows[:, None] * v_row + head * v_head + cols[None, :],
-                    mask=live[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-        a = tl.load(a_ptr + at_rows * a_row + head * a_head, mask=live, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + at_rows * b_row + head * b_head, mask=live, other=0.0).to(tl.float32)
-        x = a + dt_bias
-        softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))  # torch's threshold
-        decay = tl.cumsum(tl.where(live, neg_a * softplus, 0.0), 0)        # log decay from the chunk's start
-        beta = tl.where(live, round_like(tl.sigmoid(b), b_ptr), 0.0)
-        q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + eps) * scale)[:, None]
-        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + eps)[:, None]
-        pair = tl.exp(tl.where(causal, decay[:, None] - decay[None, :], -float("inf")))
-        system = tl.where(rows[:, None] > rows[None, :],
-                          beta[:, None] * pair * tl.dot(k, tl.trans(k), input_precision="ieee"), 0.0)
-        inverse = identity                                                 # (I + system)^-1, row by row
-        for t in range(1, tl.minimum(CHUNK, real - start)):
-            system_row = tl.sum(tl.where(rows[:, None] == t, system, 0.0), axis=0)
-            inverse = tl.where(rows[:, None] == t,
-                               inverse - tl.sum(system_row[:, None] * inverse, axis=0)[None, :], inverse)
-        grown = tl.exp(decay)
-        delta = tl.dot(inverse, beta[:, None] * (v - grown[:, None] * tl.dot(k, s, input_precision="ieee")),
-                       input_precision="ieee")
-        intra = tl.where(causal, tl.dot(q, tl.trans(k), input_precision="ieee") * pair, 0.0)
-        out = grown[:, None] * tl.dot(q, s, input_precision="ieee") + tl.dot(intra, delta, input_precision="ieee")
-        tl.store(out_ptr + at_rows[:, None] * out_row + head * dv + cols[None, :],
-                 round_like(out, out_ptr).to(out_ptr.dtype.element_ty), mask=live[:, None] & col_mask[None, :])
-        total = tl.sum(tl.where(rows == CHUNK - 1, decay, 0.0), axis=0)    # decay to the end: the same rounding
-        s = s * tl.exp(total) + tl.dot(tl.trans(k * tl.exp(total - decay)[:, None]), delta, input_precision="ieee")
-    for t in range(real, length):
-        tl.store(out_ptr + t * out_row + head * dv + cols, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty),
-                 mask=col_mask)
-    tl.store(s_ptrs, s, mask=s_mask)
-
-
 def _value_block(v_heads: int, dv: int) -> int:
     """Value columns per program: the widest of 64/32/16 that still gives >= 128 programs (an H200 has 132 SMs;
     a decode step is one token, so parallelism comes only from heads x column blocks)."""
@@ -290,10 +220,9 @@ def _value_block(v_heads: int, dv: int) -> int:
 
 def gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor,
                             count: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`gated_delta_rule_reference` in one launch: one row (decode) walks the recurrence, more fold
-    :data:`TRITON_CHUNK` rows at a time (any length: pieces and long prefills). Same contract; q, k, v, a, b may be
-    strided views (unit last stride); the state [Hv, dk, dv] fp32 needs unit last stride. ``count`` is read on the
-    device."""
+    """:func:`gated_delta_rule_reference` in one launch: a recurrence over the L rows (meant for L <= 64: decode and
+    short pieces; long pieces belong to the chunked kernels). Same contract; q, k, v, a, b may be strided views
+    (unit last stride); the state [Hv, dk, dv] fp32 needs unit last stride. ``count`` is read on the device."""
     op = "gated_delta_rule_triton"
     require_launchable(op, q, k, v, a, b, A_log, dt_bias, state)
     for name, t, ndim in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("a", a, 2), ("b", b, 2)):
@@ -312,16 +241,10 @@ def gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor,
     out = torch.empty(length, v_heads, dv, dtype=v.dtype, device=v.device)
     block_k, block_v = triton.next_power_of_2(dk), _value_block(v_heads, dv)
     grid = (v_heads, triton.cdiv(dv, block_v))
-    args = (q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
-            a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), A_log, dt_bias,
-            state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count, length, dk,
-            dv, dk ** -0.5, 1e-6)
-    if length == 1:
-        _gated_delta_rule_kernel[grid](*args, GROUPS=v_heads // k_heads, HAS_COUNT=count is not None,
-                                       BLOCK_K=block_k, BLOCK_V=block_v,
-                                       num_warps=4 if block_k * block_v <= 2048 else 8)  # no spills at dk 128
-    else:
-        _gated_delta_rule_chunked_kernel[grid](*args, GROUPS=v_heads // k_heads, HAS_COUNT=count is not None,
-                                               CHUNK=TRITON_CHUNK, BLOCK_K=block_k, BLOCK_V=max(block_v, 16),
-                                               num_warps=4)
+    _gated_delta_rule_kernel[grid](
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+        a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), A_log, dt_bias,
+        state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count, length, dk, dv,
+        dk ** -0.5, 1e-6, GROUPS=v_heads // k_heads, HAS_COUNT=count is not None,
+        BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4 if block_k * block_v <= 2048 else 8)  # no spills at dk 128
     return out
