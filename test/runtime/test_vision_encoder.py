@@ -21,10 +21,12 @@ def rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def hf_tower(seed: int = 0) -> Qwen3_5VisionModel:
-    """HF's tower, seeded, every LayerNorm and bias moved off its neutral value (a wrong norm or a dropped bias
-    shows), and the position table scaled up so that resampling it matters."""
+    """HF's tower, seeded, at ten times HF's initial weight scale (attention far from uniform, so the rotary
+    embedding shows), every LayerNorm and bias moved off its neutral value (a wrong norm or a dropped bias shows), and
+    the position table scaled up so that resampling it matters."""
     torch.manual_seed(seed)
-    model = Qwen3_5VisionModel(Qwen3_5VisionConfig(**SHAPE, hidden_act="gelu_pytorch_tanh")).float().eval()
+    config = Qwen3_5VisionConfig(**SHAPE, hidden_act="gelu_pytorch_tanh", initializer_range=0.2)
+    model = Qwen3_5VisionModel(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 1:

@@ -71,15 +71,17 @@ def test_bench_writes_rows_with_consistent_ratios(capsys, tmp_path):
 
 
 # ---- plan: will it fit? --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["tiny", "tiny-vl"])
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
-def test_plan_counts_the_bytes_a_load_allocates(capsys, fmt):
-    """The plan's weights and arena are what loading the tiny preset really allocates (from shapes, nothing loaded)."""
-    code, out, table = run(capsys, "plan", "--presets", "tiny", "--formats", fmt, "--dtype", "float32",
+def test_plan_counts_the_bytes_a_load_allocates(capsys, fmt, preset):
+    """The plan's weights and arena are what loading a tiny preset really allocates (from shapes, nothing loaded),
+    its vision tower included (dense in every format)."""
+    code, out, table = run(capsys, "plan", "--presets", preset, "--formats", fmt, "--dtype", "float32",
                            "--max-context", "256", "--capsule-budget-mb", "16", "--history-depth", "4",
                            "--memory-gb", "0.01")
     row = out["rows"][0]
-    engine = Engine(EngineConfig(weights_format=fmt, max_context=256, history_depth=4))
-    assert code == 0 and "| tiny | " + fmt in table
+    engine = Engine(EngineConfig(model=preset, weights_format=fmt, max_context=256, history_depth=4))
+    assert code == 0 and f"| {preset} | {fmt}" in table
     assert row["weights_bytes"] == sum(p.numel() * p.element_size() for p in engine.model.parameters())
     assert row["arena_bytes"] == engine.arena_bytes
     assert row["history_bytes"] == engine._history.numel()

@@ -20,7 +20,6 @@ from ..errors import ErrorCode, FlashRTError
 from ..kernels.rope import apply_rope
 from .config import VisionConfig
 
-ROPE_THETA = 10_000.0                   # Qwen3_5VisionConfig's axial rope (no config field names another)
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}     # hidden_act -> F.gelu's approximate
 
 
@@ -129,7 +128,8 @@ class VisionEncoder(nn.Module):
         """cos, sin [h*w, head_dim] fp32: a quarter of the head's frequencies on the row, a quarter on the column,
         the two halves of the head (rotate-half) alike."""
         half = self.vision.head_dim // 2
-        inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, half, 2, dtype=torch.float, device=device) / half))
+        exponents = torch.arange(0, half, 2, dtype=torch.float, device=device) / half
+        inv_freq = 1.0 / (self.vision.rope_theta ** exponents)
         rows, cols = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
         positions = self._merge_order(torch.stack([rows, cols]))                       # [h*w, 2]
         angles = (positions[..., None].float() * inv_freq).flatten(1)                  # [h*w, row | col]
