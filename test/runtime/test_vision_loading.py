@@ -14,7 +14,7 @@ import hf_checkpoints as hf
 from flashrt_ros.runtime import ErrorCode, FlashRTError, quant, weights
 from flashrt_ros.runtime.vision.encoder import VisionEncoder
 from flashrt_ros.runtime.vision.preprocess import Image, preprocess
-from flashrt_ros.tools import checkpoint_writer
+from flashrt_ros.tools import checkpoint_writer, memory_peak
 
 CPU = torch.device("cpu")
 # weights_digest of the presets' text models on main before the tower existed (d817b90), bf16 on the CPU: the seeded
@@ -79,6 +79,15 @@ def test_checkpoint_tower_equals_transformers(multimodal):
         got = model.visual(image.patches, image.grid)
         assert got.shape == expected.shape == (image.token_count, hf_model.config.text_config.hidden_size)
         torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
+
+
+def test_checkpoint_loads_in_its_final_size_plus_one_slice(multimodal, monkeypatch):
+    """The tower's fp32 tensors become bf16 weights slice by slice, like the text model's (no fp32 copy)."""
+    _, folder = multimodal
+    monkeypatch.setattr(weights, "ELEMENTS_PER_SLICE", 1 << 10)
+    model, peak, _, _ = memory_peak.measure(lambda: weights.load(str(folder), CPU, torch.bfloat16)[0], CPU)
+    final = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model.visual is not None and peak - final <= 48 * (1 << 10), (peak, final)
 
 
 def test_checkpoint_without_the_tower_asked_loads_the_text_model(multimodal):
