@@ -214,9 +214,9 @@ def fusions(cfg: ModelConfig) -> dict[type, tuple[str, list[str], list[int]]]:
 
 
 class Qwen35(nn.Module):
-    def __init__(self, cfg: ModelConfig, with_vision: bool = True):
-        """``with_vision``: build the vision tower (``visual``) when the config has one; ``visual`` is None
-        otherwise."""
+    def __init__(self, cfg: ModelConfig, with_vision: bool = False):
+        """``with_vision``: build the vision tower (``visual``) when the config has one (``weights.load`` does by
+        default); ``visual`` is None otherwise, and what only decodes (shapes, floors) builds the text model alone."""
         super().__init__()
         self.cfg = cfg
         self.model = TextModel(cfg)
