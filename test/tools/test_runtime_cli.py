@@ -6,6 +6,8 @@ import pytest
 import yaml
 
 from flashrt_ros.runtime import Engine, EngineConfig
+from flashrt_ros.runtime.config import PRESETS
+from flashrt_ros.runtime.vision.preprocess import resized_size
 from flashrt_ros.tools.cli import main
 
 
@@ -101,3 +103,24 @@ def test_thor_profile_fits_128_gb_with_room_for_the_rest_of_the_robot(capsys):
     row = out["rows"][0]
     assert code == 0 and out["memory_gb"] == 128 and row["fits"]
     assert row["total_bytes"] < 0.15 * row["memory_bytes"] and row["left_bytes"] > 100 * 10**9, row
+
+
+# ---- bench-vision --------------------------------------------------------------------------------------------------
+def test_bench_vision_reports_each_resolution(capsys, tmp_path):
+    target = tmp_path / "vision.json"
+    code, out, table = run(capsys, "bench-vision", "--model", "tiny-vl", "--resolutions", "40x60,100x30",
+                           "--repeats", "2", "--min-pixels", "1024", "--max-pixels", "8192", "--out", str(target))
+    assert code == 0 and json.loads(target.read_text()) == out and table.startswith("| camera |")
+    vision = PRESETS["tiny-vl"].vision
+    for row, (height, width) in zip(out["rows"], [(40, 60), (100, 30)]):
+        resized = resized_size(height, width, vision, 1024, 8192)
+        assert (row["height"], row["width"], tuple(row["resized"])) == (height, width, resized)
+        assert row["patches"] == resized[0] * resized[1] // 16 ** 2 == 4 * row["tokens"]
+        assert row["preprocess_ms"] > 0 and row["encoder_ms"] > 0
+
+
+@pytest.mark.parametrize("argv, error", [(("--model", "tiny"), "INVALID_ARGUMENT"),
+                                         (("--resolutions", "640"), "INVALID_ARGUMENT")])
+def test_bench_vision_refuses_what_it_cannot_run(capsys, argv, error):
+    code, out, _ = run(capsys, "bench-vision", "--repeats", "1", *argv)
+    assert code == 2 and out["error"] == error
