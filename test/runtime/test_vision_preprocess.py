@@ -150,3 +150,12 @@ def test_prepared_image_checks_its_grid():
     with pytest.raises(FlashRTError) as refused:
         PreparedImage(prepared.patches[:-1], prepared.grid)
     assert refused.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+def test_a_strided_view_prepares_like_its_copy():
+    """A BGR frame flipped to RGB by a view (negative strides), as a node may hand it over."""
+    bgr = camera(50, 70, seed=4)
+    view = bgr[..., ::-1]
+    prepared = preprocess(Image(view), VISION, MIN_PIXELS, MAX_PIXELS)
+    copied = preprocess(Image(np.ascontiguousarray(view)), VISION, MIN_PIXELS, MAX_PIXELS)
+    assert prepared.grid == copied.grid and np.array_equal(prepared.patches.numpy(), copied.patches.numpy())
