@@ -36,12 +36,13 @@ import torch
 from . import quant
 from .errors import ErrorCode, FlashRTError
 from .kernels import quant_gemv as kq
+from .vision.config import VISUAL
 
 _log = logging.getLogger(__name__)
 
-# Checkpoints of the multimodal `qwen3_5` model keep the text weights under this prefix.
-_PREFIX_ALIASES = (("model.language_model.", "model."),)
-_IGNORED_PREFIXES = ("model.visual.", "visual.")
+# Checkpoints of the multimodal `qwen3_5` model keep the text weights under `model.language_model.` and the vision
+# tower under `model.visual.` (older layouts: top-level `visual.`); ours are `model.` and `visual.`.
+_PREFIX_ALIASES = (("model.language_model.", "model."), ("model." + VISUAL, VISUAL))
 _ACTIVATION_TENSORS = ("input_scale", "input_global_scale", "input_zero_point", "k_scale", "v_scale")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROWS_PER_READ = 4096                       # rows per slice read (and quantized) at a time
@@ -51,10 +52,8 @@ def failed(message: str) -> FlashRTError:
     return FlashRTError(ErrorCode.LOAD_FAILED, message)
 
 
-def canonical_name(name: str) -> str | None:
-    """Our name of a checkpoint tensor (None: not a text-model weight)."""
-    if name.startswith(_IGNORED_PREFIXES):
-        return None
+def canonical_name(name: str) -> str:
+    """Our name of a checkpoint tensor."""
     for old, new in _PREFIX_ALIASES:
         if name.startswith(old):
             return new + name[len(old):]
@@ -210,7 +209,9 @@ def shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
 class Checkpoint:
     """A checkpoint folder's tensors, by our names; headers only until rows are read."""
 
-    def __init__(self, folder: Path, config: dict, mtp: bool):
+    def __init__(self, folder: Path, config: dict, mtp: bool, vision: bool):
+        """``mtp``, ``vision``: whether the model reads the MTP head's and the vision tower's tensors (when it does
+        not, they are left unread)."""
         self.folder = folder
         self.scheme = read_scheme(folder, config)
         self.tensors: dict[str, TensorInfo] = {}
@@ -225,7 +226,7 @@ class Checkpoint:
                              f"which does not hold it")
             for raw, entry in header.items():
                 name = canonical_name(raw)
-                if name is None or (name.startswith("mtp.") and not mtp):
+                if (name.startswith("mtp.") and not mtp) or (name.startswith(VISUAL) and not vision):
                     continue
                 if name.rsplit(".", 1)[-1] in _ACTIVATION_TENSORS:
                     activation_scales.append(raw)      # weight-only: see the module docstring

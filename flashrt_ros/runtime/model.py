@@ -15,6 +15,7 @@ from torch import nn
 from .arena import LAST_TOKEN, POSITION, Arena
 from .config import ModelConfig
 from .kernels import KernelSet
+from .vision.encoder import VisionEncoder
 
 
 # Prefill pieces up to this length run as one graph replay on CUDA, padded to a multiple of PIECE_BUCKET; the
@@ -213,7 +214,9 @@ def fusions(cfg: ModelConfig) -> dict[type, tuple[str, list[str], list[int]]]:
 
 
 class Qwen35(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, with_vision: bool = False):
+        """``with_vision``: build the vision tower (``visual``) when the config has one (``weights.load`` does by
+        default); ``visual`` is None otherwise, and what only decodes (shapes, floors) builds the text model alone."""
         super().__init__()
         self.cfg = cfg
         self.model = TextModel(cfg)
@@ -221,6 +224,7 @@ class Qwen35(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.mtp_num_hidden_layers:
             self.mtp = MTPHead(cfg)
+        self.visual = VisionEncoder(cfg.vision) if cfg.vision is not None and with_vision else None
         self.arena: Arena | None = None
         self.kernels: KernelSet | None = None
 

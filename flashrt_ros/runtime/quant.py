@@ -19,6 +19,7 @@ from torch import nn
 
 from .errors import ErrorCode, FlashRTError
 from .kernels import quant_gemv as kq
+from .vision.config import VISUAL
 
 FORMATS = ("dense", "fp8", "nvfp4")
 FP8_MAX = 448.0                      # largest finite float8_e4m3fn
@@ -211,8 +212,9 @@ def is_excluded(name: str, exclude: tuple[str, ...]) -> bool:
 
 
 def targets(model: nn.Module, fmt: str, exclude: tuple[str, ...] = ()) -> list[str]:
-    """The (fused) projections ``fmt`` stores quantized: every bias-free ``nn.Linear`` and the LM head (``lm_head``,
-    tied to the embedding or not) not matched by an ``exclude`` pattern (``fnmatch``, e.g. ``*.linear_attn.*``).
+    """The (fused) projections ``fmt`` stores quantized: every bias-free ``nn.Linear`` of the text model and the LM head
+    (``lm_head``, tied to the embedding or not) not matched by an ``exclude`` pattern (``fnmatch``, e.g.
+    ``*.linear_attn.*``); never the vision tower (Qwen's FP8 releases keep it in bf16).
     The LM head is built as ``model.quantized_head`` (read by ``Qwen35.logits``); the embedding stays dense."""
     if fmt not in FORMATS:
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"weights_format must be one of {FORMATS}, got {fmt!r}")
@@ -220,7 +222,7 @@ def targets(model: nn.Module, fmt: str, exclude: tuple[str, ...] = ()) -> list[s
         return []
     names = [name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and module.bias is None and name != LM_HEAD
-             and not is_excluded(name, exclude)]
+             and not name.startswith(VISUAL) and not is_excluded(name, exclude)]
     return names + ([] if is_excluded(LM_HEAD, exclude) else [LM_HEAD])
 
 

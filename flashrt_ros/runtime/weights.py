@@ -18,9 +18,19 @@ from .checksum import checksum
 from .config import PRESETS, ModelConfig, from_hf_dict, read_config
 from .errors import ErrorCode, FlashRTError
 from .model import Qwen35
+from .vision.config import VISUAL
 
 _log = logging.getLogger(__name__)
 ELEMENTS_PER_SLICE = 1 << 20      # values generated, read, converted or quantized at a time: ~45 B of temporaries each
+
+
+def _neutral(name: str) -> float:
+    """A 1-D weight's neutral value: 1 for a plain-scale norm (the Gated DeltaNet output norm, the vision tower's
+    LayerNorms), 0 for Qwen's (1 + w) RMSNorms and for biases."""
+    module, _, leaf = name.rpartition(".")
+    plain_norm = name.endswith("linear_attn.norm.weight") or (
+        name.startswith(VISUAL) and leaf == "weight" and module.rpartition(".")[2].startswith("norm"))
+    return 1.0 if plain_norm else 0.0
 
 
 def random_rows(name: str, shape: tuple[int, ...], start: int, stop: int, seed: int, dtype: torch.dtype,
@@ -34,8 +44,8 @@ def random_rows(name: str, shape: tuple[int, ...], start: int, stop: int, seed: 
         values = torch.log(0.02 + 0.24 * (u + 1.0))                  # A in [0.02, 0.5]: state kept for tens of tokens
     elif name.endswith("dt_bias"):
         values = 1.0 + 0.1 * u
-    elif len(shape) == 1:                                            # norm weights, near their neutral value
-        values = 0.1 * u + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
+    elif len(shape) == 1:                                            # norms and biases, near their neutral value
+        values = 0.1 * u + _neutral(name)
     elif name.endswith("embed_tokens.weight"):
         values = u * (0.02 * math.sqrt(3.0))                       # std 0.02, as HF initialises
     else:
@@ -48,9 +58,10 @@ class _Preset:
     quantized: frozenset = frozenset()
     scheme = None
 
-    def __init__(self, preset: str, seed: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, preset: str, seed: int, dtype: torch.dtype, device: torch.device, with_vision: bool):
         with torch.device("meta"):
-            self.tensors = {n: tuple(p.shape) for n, p in Qwen35(PRESETS[preset]).named_parameters()}
+            model = Qwen35(PRESETS[preset], with_vision)
+            self.tensors = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self.folder, self.seed, self.dtype, self.device = preset, seed, dtype, device
 
     def dense_shape(self, name: str) -> tuple[int, ...]:
@@ -150,6 +161,16 @@ def _parts(source, shape: tuple[int, ...], sources: list[tuple[str, int]], missi
     return parts
 
 
+def _lacks(folder, missing: list[str]) -> FlashRTError:
+    text = [n for n in missing if not n.startswith(VISUAL)]
+    if text:
+        return FlashRTError(ErrorCode.LOAD_FAILED, f"{folder}: checkpoint lacks {len(text)} tensor(s), e.g. {text[:3]}")
+    return FlashRTError(ErrorCode.LOAD_FAILED, f"{folder}: config.json has a vision_config, but the checkpoint lacks "
+                                               f"{len(missing)} vision tower tensor(s), e.g. "
+                                               f"{['model.' + n for n in missing[:3]]} (without the vision tower, "
+                                               f"the text model loads alone)")
+
+
 def _plan(model: Qwen35, source, fmt: str, targets: set[str]) -> list[tuple[str, tuple[int, ...], list[_Part], bool]]:
     """(weight, shape, parts, quantized?) for every weight of the (fused, meta) model; every tensor of the source is
     located and checked, and every tensor of the checkpoint used, before anything is allocated."""
@@ -165,8 +186,7 @@ def _plan(model: Qwen35, source, fmt: str, targets: set[str]) -> list[tuple[str,
         head = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else f"{quant.LM_HEAD}.weight"
         plan.append((quant.LM_HEAD, shape, _parts(source, shape, [(head, shape[0])], missing, fmt), True))
     if missing:
-        raise FlashRTError(ErrorCode.LOAD_FAILED, f"{source.folder}: checkpoint lacks {len(missing)} tensor(s), e.g. "
-                                                  f"{missing[:3]}")
+        raise _lacks(source.folder, missing)
     used = {n for _, _, parts, _ in plan for p in parts
             for n in (source.used_names(p.module) if p.stored else [p.name])}
     unexpected = sorted(set(source.tensors) - used)
@@ -178,9 +198,9 @@ def _plan(model: Qwen35, source, fmt: str, targets: set[str]) -> list[tuple[str,
 
 
 def _build(cfg: ModelConfig, source, device: torch.device, dtype: torch.dtype, fmt: str,
-           exclude: tuple[str, ...], use_triton: bool) -> Qwen35:
+           exclude: tuple[str, ...], use_triton: bool, with_vision: bool) -> Qwen35:
     with torch.device("meta"):
-        model = Qwen35(cfg)
+        model = Qwen35(cfg, with_vision)
     model.fuse_projections()
     plan = _plan(model, source, fmt, set(quant.targets(model, fmt, exclude)))
     builder = _Builder(source, device, dtype)
@@ -212,11 +232,13 @@ def _build_one(model: Qwen35, builder: _Builder, name: str, shape: tuple[int, ..
 
 
 def load(model: str, device: torch.device, dtype: torch.dtype, seed: int = 0, fmt: str = "dense",
-         exclude: tuple[str, ...] = (), use_triton: bool = False) -> tuple[Qwen35, str]:
+         exclude: tuple[str, ...] = (), use_triton: bool = False, with_vision: bool = True) -> tuple[Qwen35, str]:
     """A preset (seeded random weights) or a local HF folder, built in ``fmt`` (``quant.targets`` names what is
-    quantized); returns the model and the format's identity for the fingerprint."""
+    quantized; the vision tower is never quantized: it is built in ``dtype``, as Qwen's FP8 releases keep it);
+    returns the model and the format's identity for the fingerprint. ``with_vision``: build the vision tower
+    (``model.visual``) when the config has one (False: ``model.visual`` is None and its tensors are not read)."""
     if model in PRESETS:
-        cfg, source = PRESETS[model], _Preset(model, seed, dtype, device)
+        cfg, source = PRESETS[model], _Preset(model, seed, dtype, device, with_vision)
     else:
         folder = Path(model)
         if not folder.is_dir():
@@ -224,13 +246,15 @@ def load(model: str, device: torch.device, dtype: torch.dtype, seed: int = 0, fm
                                                       f"preset: {', '.join(PRESETS)})")
         raw = read_config(folder)
         cfg = from_hf_dict(raw)
-        source = Checkpoint(folder, raw, mtp=bool(cfg.mtp_num_hidden_layers))
+        source = Checkpoint(folder, raw, mtp=bool(cfg.mtp_num_hidden_layers),
+                            vision=with_vision and cfg.vision is not None)
         if source.scheme is not None and source.scheme.fmt != fmt:
             _log.warning("%s stores its projections in %s (%s) but weights_format is %s: they are dequantised%s",
                          folder, source.scheme.fmt, source.scheme.label, fmt,
                          "" if fmt == "dense" else f" and quantized again in {fmt}")
     try:
-        return _build(cfg, source, device, dtype, fmt, exclude, use_triton), quant.identity(fmt, use_triton)
+        return (_build(cfg, source, device, dtype, fmt, exclude, use_triton, with_vision),
+                quant.identity(fmt, use_triton))
     except FlashRTError as err:
         error = err.with_traceback(None)      # drops the frames, and with them the weights built so far
         error.__context__ = error.__cause__ = None

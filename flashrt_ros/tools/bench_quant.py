@@ -25,6 +25,7 @@ from flashrt_ros.runtime.config import PRESETS, ModelConfig
 from flashrt_ros.runtime.engine import Engine, EngineConfig
 from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
 from flashrt_ros.runtime.model import Qwen35
+from flashrt_ros.runtime.vision.config import VISUAL
 
 from .timing import sync, timed
 from .verify import first_divergence, prompt_tokens
@@ -36,8 +37,10 @@ _KERNEL_CALLS_PER_SAMPLE = 20
 
 def weights_read_per_token(model: Qwen35) -> int:
     """Bytes of weights one decode step reads: every parameter once, except the embedding table (one row is looked
-    up) unless it is also the dense LM head. (The MTP head's unused projections are counted: an upper bound.)"""
-    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != EMBEDDING)
+    up) unless it is also the dense LM head, and not the vision tower's. (The MTP head's unused projections are
+    counted: an upper bound.)"""
+    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if n != EMBEDDING and not n.startswith(VISUAL))
     if getattr(model, "quantized_head", None) is None and model.cfg.tie_word_embeddings:
         total += model.output_weight().numel() * model.output_weight().element_size()
     return total
@@ -86,10 +89,10 @@ def _time_calls_us(device: torch.device, fn, repeats: int) -> float:
 
 
 def projection_shapes(model: Qwen35) -> list[tuple[str, int, int]]:
-    """(name, N, K) of each distinct projection shape of the dense model, the LM head last."""
+    """(name, N, K) of each distinct projection shape of the dense text model, the LM head last."""
     seen, shapes = set(), []
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and tuple(module.weight.shape) not in seen:
+        if isinstance(module, nn.Linear) and not name.startswith(VISUAL) and tuple(module.weight.shape) not in seen:
             seen.add(tuple(module.weight.shape))
             shapes.append((name, *module.weight.shape))
     return shapes + [(quant.LM_HEAD, *model.output_weight().shape)]

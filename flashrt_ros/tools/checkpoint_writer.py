@@ -80,7 +80,7 @@ FORMATS = ("dense", *ENCODERS)
 def _tensors(cfg: ModelConfig, fmt: str, seed: int, device: torch.device):
     """(HF name, shape) of every tensor, then a function producing its stored tensors {name: tensor}."""
     with torch.device("meta"):
-        model = Qwen35(cfg)
+        model = Qwen35(cfg, with_vision=False)      # the config it writes is text-only (hf_config)
     linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     for name, param in model.named_parameters():
         shape = tuple(param.shape)

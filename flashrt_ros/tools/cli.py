@@ -1,5 +1,5 @@
 """``flashrt-runtime`` (also ``python -m flashrt_ros.tools``): generate, verify, bench, bench-quant, bench-spec,
-bench-capsules. JSON on stdout."""
+bench-capsules, bench-constraint, bench-vision, plan. JSON on stdout."""
 from __future__ import annotations
 
 import argparse
@@ -9,13 +9,16 @@ import sys
 import tempfile
 import time
 
+import torch
+
 from flashrt_ros.runtime import quant
 from flashrt_ros.runtime.config import PRESETS
 from flashrt_ros.runtime.engine import _DTYPES, Engine, EngineConfig
 from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
 from flashrt_ros.runtime.sampler import SamplingParams
+from flashrt_ros.runtime.vision.preprocess import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 
-from . import bench_capsules, bench_constraint, bench_quant, bench_spec, plan
+from . import bench_capsules, bench_constraint, bench_quant, bench_spec, bench_vision, plan
 from .bench import bench_context, cold_prefill_profile, markdown_table
 from .verify import verify
 
@@ -137,6 +140,13 @@ def cmd_bench_constraint(args) -> dict:
     return _report(result, bench_constraint.markdown(result), args.out)
 
 
+def cmd_bench_vision(args) -> dict:
+    result = bench_vision.run(args.model, torch.device(args.device), _DTYPES[args.dtype], args.weights_seed,
+                              bench_vision.parse_resolutions(args.resolutions), args.repeats, args.min_pixels,
+                              args.max_pixels)
+    return _report(result, bench_vision.markdown(result), args.out)
+
+
 def cmd_plan(args) -> dict:
     rows = []
     for preset in args.presets.split(","):
@@ -226,6 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     bk.add_argument("--out", help="write the JSON result here too")
     bk.set_defaults(func=cmd_bench_constraint)
+    bv = sub.add_parser("bench-vision", help="the vision tower: image tokens, preprocess and encoder ms per image")
+    bv.add_argument("--model", default="tiny-vl", help="a preset or a local HF folder with a vision tower")
+    bv.add_argument("--device", default="cpu")
+    bv.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    bv.add_argument("--weights-seed", type=int, default=0, help="weights seed for presets")
+    bv.add_argument("--resolutions", default=bench_vision.RESOLUTIONS, help="camera frames, HEIGHTxWIDTH[,...]")
+    bv.add_argument("--repeats", type=int, default=10)
+    bv.add_argument("--min-pixels", type=int, default=DEFAULT_MIN_PIXELS)
+    bv.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
+    bv.add_argument("--out", help="write the JSON result here too")
+    bv.set_defaults(func=cmd_bench_vision)
     pl = sub.add_parser("plan", help="weights + arena + history + capsule budget per preset and format, against a "
                                      "memory size (default: Thor's 128 GB); nothing is loaded")
     pl.add_argument("--presets", default=",".join(p for p in PRESETS if not p.startswith("tiny")))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashrt_ros.runtime.engine import Engine
+from flashrt_ros.runtime.vision.config import VISUAL
 
 from .timing import timed
 
@@ -28,13 +29,14 @@ def copy_bandwidth_bytes_per_s(device: torch.device, nbytes: int = 1 << 30, repe
 
 def decode_linears(engine: Engine) -> list[torch.Tensor]:
     """The weight matrices one decode step multiplies by (its projections, the MTP head's fc and KV projection,
-    and the LM head)."""
+    and the LM head; not the vision tower's)."""
     model = engine.model
     skipped = set()
     if model.cfg.mtp_num_hidden_layers:   # the MTP layer's output is not computed: only its KV write is state
         layer = model.mtp.layers[0]
         skipped = {id(m) for m in (*layer.mlp.modules(), layer.self_attn.o_proj)}
-    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in skipped]
+    weights = [m.weight for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and id(m) not in skipped and not n.startswith(VISUAL)]
     return weights + [model.output_weight()]
 
 

@@ -15,9 +15,10 @@ THOR_MEMORY_BYTES = 128 * 10**9
 
 def weight_bytes(cfg: ModelConfig, fmt: str, exclude: tuple[str, ...], dtype: torch.dtype) -> int:
     """Bytes of the weights as ``weights.load`` builds them: projections in ``fmt`` (one scale per output channel
-    for fp8) except the excluded ones, the LM head quantized in place of a dense untied one, the rest in ``dtype``."""
+    for fp8) except the excluded ones, the LM head quantized in place of a dense untied one, the rest (the vision
+    tower's included) in ``dtype``."""
     with torch.device("meta"):
-        model = Qwen35(cfg)
+        model = Qwen35(cfg, with_vision=True)     # loaded by default, so counted
     model.fuse_projections()
     targets = set(quant.targets(model, fmt, exclude))
     size = dtype.itemsize

@@ -5,12 +5,10 @@ The models are random but not degenerate: ``initializer_range`` 0.1 and every 1-
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
 # Shared by every tiny config unless overridden: GQA (4 query heads on 2 KV heads), grouped value heads (4 value
 # heads on 2 key heads), the default hybrid layout (3 Gated DeltaNet layers, then full attention), tied embeddings.
@@ -45,23 +43,38 @@ def save(model: Qwen3_5ForCausalLM, folder: Path, **save_kwargs) -> Path:
     return Path(folder)
 
 
+# A small vision tower that is not the released shape: 2 heads of 12, 4-pixel patches, a 4 x 4 learned position grid,
+# a rotary base that is not the default (so the loader must read it); weights ten times HF's initial scale, so that
+# attention is far from uniform and the rotary embedding shows in the features.
+VISION = dict(depth=2, hidden_size=24, intermediate_size=40, num_heads=2, patch_size=4, spatial_merge_size=2,
+              temporal_patch_size=2, num_position_embeddings=16, initializer_range=0.2,
+              rope_parameters={"rope_type": "axial", "rope_theta": 5000.0})
+
+
+def multimodal_model(model: Qwen3_5ForCausalLM, seed: int = 0) -> Qwen3_5ForConditionalGeneration:
+    """``model``'s text weights in HF's multimodal ``qwen3_5`` model, with a seeded :data:`VISION` tower (its 1-D
+    weights moved off their neutral values) and the image token ids at the top of the vocabulary."""
+    text = model.config
+    top = text.vocab_size - 1
+    config = Qwen3_5Config(text_config=text.to_dict(), vision_config={**VISION, "out_hidden_size": text.hidden_size},
+                           image_token_id=top - 2, video_token_id=top - 3, vision_start_token_id=top - 1,
+                           vision_end_token_id=top, tie_word_embeddings=text.tie_word_embeddings)
+    torch.manual_seed(seed)
+    multimodal = Qwen3_5ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        multimodal.model.language_model.load_state_dict(model.model.state_dict())
+        multimodal.lm_head.load_state_dict(model.lm_head.state_dict())
+        for param in multimodal.model.visual.parameters():
+            if param.dim() == 1:
+                param.add_(0.3 * torch.randn_like(param))
+    return multimodal
+
+
 def save_multimodal(model: Qwen3_5ForCausalLM, folder: Path) -> Path:
-    """The same weights as the multimodal ``qwen3_5`` checkpoint stores them: the config nests the text config and
-    the text weights live under ``model.language_model.``, next to vision weights (one stand-in tensor here)."""
-    folder = Path(folder)
-    plain = save(model, folder / "plain")
-    tensors = load_file(plain / "model.safetensors")
-    renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-               for k, v in tensors.items()}
-    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
-    out = folder / "multimodal"
-    out.mkdir()
-    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
-    text = model.config.to_dict()
-    wrapper = Qwen3_5Config(text_config=text, tie_word_embeddings=model.config.tie_word_embeddings).to_dict()
-    assert wrapper["model_type"] == "qwen3_5"
-    (out / "config.json").write_text(json.dumps(wrapper))
-    return out
+    """The same text weights as the multimodal ``qwen3_5`` checkpoint stores them (saved by transformers): the config
+    nests the text and vision configs, the text weights live under ``model.language_model.``, the tower's under
+    ``model.visual.``."""
+    return save(multimodal_model(model), Path(folder))
 
 
 @torch.no_grad()

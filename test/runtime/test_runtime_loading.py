@@ -205,14 +205,15 @@ def small_slices(monkeypatch):
     monkeypatch.setattr(weights, "ELEMENTS_PER_SLICE", SLICE)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-vl"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
-def test_a_preset_loads_in_its_final_size_plus_one_slice(fmt, dtype, small_slices):
+def test_a_preset_loads_in_its_final_size_plus_one_slice(fmt, dtype, preset, small_slices):
     """No float32 model, no second copy while fusing or quantizing: every byte allocated while loading beyond the
-    final weights is a temporary of one slice. (Materialising the model in float32 first, then casting and fusing,
-    allocates several times the final size: this fails on that code.)"""
+    final weights (the vision tower's included) is a temporary of one slice. (Materialising the model in float32
+    first, then casting and fusing, allocates several times the final size: this fails on that code.)"""
     model, peak, _, _ = memory_peak.measure(
-        lambda: weights.load("tiny", torch.device("cpu"), dtype, 0, fmt)[0], torch.device("cpu"))
+        lambda: weights.load(preset, torch.device("cpu"), dtype, 0, fmt)[0], torch.device("cpu"))
     assert peak - final_bytes(model) <= BYTES_PER_SLICE_VALUE * SLICE, (peak, final_bytes(model))
 
 

@@ -127,12 +127,15 @@ def test_prefill_then_decode_equals_longer_prefill_on_tiny_preset():
     assert list(engine.generate(6, stop_token_ids=[])) == continuation
 
 
-def test_multimodal_checkpoint_loads_the_same_model(tmp_path):
-    """`model_type: qwen3_5` (text_config, weights under model.language_model., vision weights ignored)."""
+def test_multimodal_checkpoint_loads_the_same_text_model(tmp_path):
+    """`model_type: qwen3_5` (text_config, weights under model.language_model., the vision tower beside them)."""
     model = hf.build_model(hf.text_config(tie_word_embeddings=False), seed=3)
     plain = make_engine(hf.save(model, tmp_path / "text"))
     multimodal = make_engine(hf.save_multimodal(model, tmp_path / "mm"))
-    assert multimodal.fingerprint == plain.fingerprint
+    assert plain.model.visual is None and multimodal.model.visual is not None
+    text = {n: p for n, p in multimodal.model.named_parameters() if not n.startswith("visual.")}
+    assert text.keys() == dict(plain.model.named_parameters()).keys()
+    assert all(torch.equal(p, text[n]) for n, p in plain.model.named_parameters())
     ids = prompt(plain.vocab_size, length=30)
     multimodal.ingest(ids)
     assert rel_err(multimodal.next_token_logits(), hf.logits(model, ids)[-1]) < REL_TOL

@@ -451,9 +451,11 @@ def test_fidelity_figures_order_the_formats():
 
 
 @pytest.mark.parametrize("fmt", quant.FORMATS)
-@pytest.mark.parametrize("exclude", [(), ("*.linear_attn.*",), ("lm_head",)])
-def test_projected_bytes_per_token_match_the_built_model(fmt, exclude):
-    engine = tiny(weights_format=fmt, weights_exclude=exclude)
+@pytest.mark.parametrize("exclude, model", [((), "tiny"), (("*.linear_attn.*",), "tiny"), (("lm_head",), "tiny"),
+                                            ((), "tiny-vl")])
+def test_projected_bytes_per_token_match_the_built_model(fmt, exclude, model):
+    """What a decode step reads (the vision tower's weights are loaded, never read by a decode step)."""
+    engine = tiny(weights_format=fmt, weights_exclude=exclude, model=model)
     element = engine.arena["hidden"].element_size()
     assert bench_quant.projected_bytes_per_token(engine.model_config, fmt, exclude, element) == \
         bench_quant.weights_read_per_token(engine.model)

@@ -6,6 +6,8 @@ import pytest
 import yaml
 
 from flashrt_ros.runtime import Engine, EngineConfig
+from flashrt_ros.runtime.config import PRESETS
+from flashrt_ros.runtime.vision.preprocess import resized_size
 from flashrt_ros.tools.cli import main
 
 
@@ -71,15 +73,17 @@ def test_bench_writes_rows_with_consistent_ratios(capsys, tmp_path):
 
 
 # ---- plan: will it fit? --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["tiny", "tiny-vl"])
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
-def test_plan_counts_the_bytes_a_load_allocates(capsys, fmt):
-    """The plan's weights and arena are what loading the tiny preset really allocates (from shapes, nothing loaded)."""
-    code, out, table = run(capsys, "plan", "--presets", "tiny", "--formats", fmt, "--dtype", "float32",
+def test_plan_counts_the_bytes_a_load_allocates(capsys, fmt, preset):
+    """The plan's weights and arena are what loading a tiny preset really allocates (from shapes, nothing loaded),
+    its vision tower included (dense in every format)."""
+    code, out, table = run(capsys, "plan", "--presets", preset, "--formats", fmt, "--dtype", "float32",
                            "--max-context", "256", "--capsule-budget-mb", "16", "--history-depth", "4",
                            "--memory-gb", "0.01")
     row = out["rows"][0]
-    engine = Engine(EngineConfig(weights_format=fmt, max_context=256, history_depth=4))
-    assert code == 0 and "| tiny | " + fmt in table
+    engine = Engine(EngineConfig(model=preset, weights_format=fmt, max_context=256, history_depth=4))
+    assert code == 0 and f"| {preset} | {fmt}" in table
     assert row["weights_bytes"] == sum(p.numel() * p.element_size() for p in engine.model.parameters())
     assert row["arena_bytes"] == engine.arena_bytes
     assert row["history_bytes"] == engine._history.numel()
@@ -99,3 +103,24 @@ def test_thor_profile_fits_128_gb_with_room_for_the_rest_of_the_robot(capsys):
     row = out["rows"][0]
     assert code == 0 and out["memory_gb"] == 128 and row["fits"]
     assert row["total_bytes"] < 0.15 * row["memory_bytes"] and row["left_bytes"] > 100 * 10**9, row
+
+
+# ---- bench-vision --------------------------------------------------------------------------------------------------
+def test_bench_vision_reports_each_resolution(capsys, tmp_path):
+    target = tmp_path / "vision.json"
+    code, out, table = run(capsys, "bench-vision", "--model", "tiny-vl", "--resolutions", "40x60,100x30",
+                           "--repeats", "2", "--min-pixels", "1024", "--max-pixels", "8192", "--out", str(target))
+    assert code == 0 and json.loads(target.read_text()) == out and table.startswith("| camera |")
+    vision = PRESETS["tiny-vl"].vision
+    for row, (height, width) in zip(out["rows"], [(40, 60), (100, 30)]):
+        resized = resized_size(height, width, vision, 1024, 8192)
+        assert (row["height"], row["width"], tuple(row["resized"])) == (height, width, resized)
+        assert row["patches"] == resized[0] * resized[1] // 16 ** 2 == 4 * row["tokens"]
+        assert row["preprocess_ms"] > 0 and row["encoder_ms"] > 0
+
+
+@pytest.mark.parametrize("argv, error", [(("--model", "tiny"), "INVALID_ARGUMENT"),
+                                         (("--resolutions", "640"), "INVALID_ARGUMENT")])
+def test_bench_vision_refuses_what_it_cannot_run(capsys, argv, error):
+    code, out, _ = run(capsys, "bench-vision", "--repeats", "1", *argv)
+    assert code == 2 and out["error"] == error

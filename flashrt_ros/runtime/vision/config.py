@@ -6,6 +6,8 @@ import dataclasses
 
 from ..errors import ErrorCode, FlashRTError
 
+VISUAL = "visual."      # the tower's parameter names in the model (``Qwen35.visual``); a checkpoint adds ``model.``
+
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
@@ -24,6 +26,7 @@ class VisionConfig:
     num_position_embeddings: int = 2304   # a square grid of learned position embeddings, interpolated per image
     hidden_act: str = "gelu_pytorch_tanh"
     layer_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0          # the 2-D rotary's base (vision_config.rope_parameters)
 
     @property
     def head_dim(self) -> int:
@@ -61,6 +64,7 @@ def vision_from_hf_dict(raw: dict) -> VisionConfig | None:
             spatial_merge_size=vision.get("spatial_merge_size", 2),
             temporal_patch_size=vision.get("temporal_patch_size", 2),
             num_position_embeddings=vision.get("num_position_embeddings", 2304),
-            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"))
+            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+            rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10_000.0)))
     except KeyError as missing:
         raise FlashRTError(ErrorCode.LOAD_FAILED, f"config.json's vision_config lacks required field {missing}") from None
