@@ -144,6 +144,21 @@ def test_triton_attention_input_stage_agrees_with_the_reference(hf_model, folder
     assert fast.rope_delta == reference.rope_delta == -3
 
 
+def test_raw_images_are_preprocessed_under_the_engine_budget(hf_model, folder):
+    """An ``Image`` (V1's preprocessing, merged later) is prepared in check_ingest with the engine's pixel budget and
+    ingested as that PreparedImage; the logits equal HF's on the same patches."""
+    images = pytest.importorskip("flashrt_ros.runtime.vision.preprocess",
+                                 reason="the preprocessing (issue 32, V1) is not in this branch yet")
+    import numpy
+    rgb = numpy.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=numpy.uint8)
+    engine = hv.engine(hf_model, folder, image_min_pixels=16 * hv.PATCH ** 2, image_max_pixels=120 * hv.PATCH ** 2)
+    want = images.preprocess(images.Image(rgb), engine.model_config.vision, 16 * hv.PATCH ** 2, 120 * hv.PATCH ** 2)
+    checked = engine.check_ingest([1, images.Image(rgb), 2])
+    assert checked[1].grid == want.grid and torch.equal(checked[1].patches, want.patches)
+    assert engine.ingest([1, images.Image(rgb), 2]) == ingest_length([1, want, 2])
+    assert rel_err(engine.next_token_logits(), hv.hf_last_logits(hf_model, [1, want, 2])) < REL_TOL
+
+
 def vision_of(model):
     return from_hf_dict(model.config.to_dict()).vision
 
