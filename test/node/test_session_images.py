@@ -2,6 +2,7 @@
 events and positions count image tokens; a refused image refuses its observation alone and nothing else moves; a
 group of observations with images is one prefill."""
 import pytest
+import torch
 
 import hf_vision as hv
 from flashrt_ros.discretiser import Discretiser
@@ -107,3 +108,36 @@ def test_a_group_with_images_is_one_prefill_with_image_positions_counted(engine)
     engine.reset()
     engine.ingest(items_of(engine, group[0]) + items_of(engine, group[2]))       # one prefill of the accepted
     assert engine.live_checksum() == grouped
+
+
+def test_an_operation_asked_for_during_an_image_runs_at_the_boundary_after_it(engine):
+    """An image is one unit: a snapshot submitted to the engine thread while the tower is still encoding (blocked
+    here) runs after the whole image and its text are ingested, never between its tokens."""
+    import threading
+
+    from flashrt_ros.engine_worker import EngineWorker
+
+    outputs = []
+    session = fresh(engine, outputs)
+    tower, started, release = engine.model.visual, threading.Event(), threading.Event()
+
+    class SlowTower(torch.nn.Module):
+        def forward(self, patches, grid):
+            started.set()
+            assert release.wait(10)
+            return tower(patches, grid)
+
+    worker = EngineWorker(session)
+    engine.model.visual = SlowTower()
+    try:
+        obs = ObservationInput(token_ids=[1], images=[FRAME], text="ab")
+        observed = worker.submit(lambda s: s.observe(obs), when_idle=True)
+        assert started.wait(10)
+        snapshot = worker.submit(lambda s: s.snapshot(label="mid"))
+        release.set()
+        observed.result(timeout=10)
+        info = snapshot.result(timeout=10).capsule
+    finally:
+        engine.model.visual = tower
+        worker.shutdown()
+    assert info.position == ingest_length(items_of(engine, obs)) == engine.position
