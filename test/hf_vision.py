@@ -16,6 +16,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
 from flashrt_ros.runtime import Engine, EngineConfig
 from flashrt_ros.runtime.vision.prepared import PreparedImage
+from hf_random import random_model
 
 VOCAB, START, END, PAD, VIDEO = 128, 120, 121, 122, 123
 PATCH, TEMPORAL, MERGE = 4, 2, 2
@@ -32,21 +33,14 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_l
 
 
 def build(seed: int = 0) -> Qwen3_5ForConditionalGeneration:
-    """A seeded random model in fp32, eval mode, every 1-D weight moved off its neutral value (as hf_checkpoints'
-    text models: a wrong norm convention or decay formula shows in the logits)."""
+    """The multimodal model, seeded random (:func:`hf_random.random_model`)."""
     config = Qwen3_5Config(
         text_config=TEXT, tie_word_embeddings=True,
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
                            patch_size=PATCH, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE,
                            num_position_embeddings=64, initializer_range=0.1),
         image_token_id=PAD, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
-    torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1:
-                param.add_(0.3 * torch.randn_like(param) if not name.endswith("A_log") else torch.rand_like(param))
-    return model
+    return random_model(Qwen3_5ForConditionalGeneration, config, seed)
 
 
 class HFVisual(nn.Module):

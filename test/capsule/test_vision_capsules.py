@@ -215,7 +215,7 @@ class VisionStreamMachine(RuleBasedStateMachine):
     def restore(self, data, fork):
         source = data.draw(st.sampled_from(sorted(self.capsules)))
         if fork:
-            target = "f"
+            target = "g" if source == "f" else "f"
             if target in self.capsules:
                 self.engine.drop(target)
             self.engine.fork(source, target, switch=True)
