@@ -2,6 +2,7 @@
 greedy tokens and logits of prompts with images against ``Qwen3_5ForConditionalGeneration`` (HF's tower drives our
 engine as ``model.visual``); the image path's refusals change nothing."""
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -63,13 +64,16 @@ def test_mrope_positions_continue_across_ingests(hf_model):
     assert second.rope_delta == whole.rope_delta
 
 
-@pytest.mark.parametrize("head_dim,factor", [(16, 1.0), (256, 0.25), (16, 0.25)])
-def test_mrope_rows_match_hf_text_rotary(head_dim, factor):
+@pytest.mark.parametrize("head_dim,factor,section", [(16, 1.0, (11, 11, 10)), (256, 0.25, (11, 11, 10)),
+                                                     (16, 0.25, (11, 11, 10)), (32, 1.0, (6, 4, 6))])
+def test_mrope_rows_match_hf_text_rotary(head_dim, factor, section):
     """cos/sin rows of 3-component positions equal HF's interleaved M-RoPE (sections 11/11/10: all three axes occur
-    at rotary dim 16 and 64; at 4 only time and height do)."""
+    at rotary dim 16 and 64; at 4 only time and height do; 6/4/6 cuts the height axis short), with the section read
+    from the config as our loader reads it."""
     import hf_checkpoints as hf
     config = hf.text_config(head_dim=head_dim, rope_parameters={**hf.rope(10_000.0, factor),
-                                                                "mrope_section": [11, 11, 10]})
+                                                                "mrope_section": list(section)})
+    assert from_hf_dict(config.to_dict()).mrope_section == section
     rotary = hf_qwen.Qwen3_5TextRotaryEmbedding(config)
     positions = torch.randint(0, 200, (3, 1, 40), generator=torch.Generator().manual_seed(0))
     want_cos, want_sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
@@ -77,7 +81,7 @@ def test_mrope_rows_match_hf_text_rotary(head_dim, factor):
     inv_freq = 1.0 / (10_000.0 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     freqs = torch.arange(256, dtype=torch.float)[:, None] * inv_freq[None, :]
     table_cos, table_sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
-    components = mrope_components(dim, (11, 11, 10))
+    components = mrope_components(dim, section)
     assert torch.equal(mrope_rows(table_cos, positions[:, 0].T, components), want_cos[0])
     assert torch.equal(mrope_rows(table_sin, positions[:, 0].T, components), want_sin[0])
 
@@ -115,6 +119,13 @@ def test_plain_rotary_positions_would_not_match(hf_model, folder):
     engine.arena["meta"][ROPE_DELTA] = 0
     engine.ingest(items[4:])
     assert rel_err(engine.next_token_logits(), hv.hf_last_logits(hf_model, items)) > 1e-3
+
+
+def test_a_text_only_config_keeps_its_json():
+    """The fingerprint hashes the config's JSON: a text-only model's has no M-RoPE section (it changes nothing
+    without images), so its fingerprint and capsules are those of before; a vision model's has it."""
+    assert "mrope_section" not in json.loads(PRESETS["tiny"].to_json())
+    assert json.loads(PRESETS["tiny-vl"].to_json())["mrope_section"] == [11, 11, 10]
 
 
 def test_text_through_the_image_path_is_byte_identical():
