@@ -55,15 +55,19 @@ def lay_out(items: Sequence[Item], vision: VisionConfig, start: int, rope_delta:
         parts.append((torch.arange(len(token_ids)) + rotary)[:, None].expand(-1, 3))
         rotary += len(token_ids)
 
+    run: list[int] = []                         # token ids since the last image, laid out together
     for item in items:
         if not isinstance(item, PreparedImage):
-            text([item])
+            run.append(item)
             continue
-        text([vision.vision_start_token_id])
+        text(run + [vision.vision_start_token_id])
+        run = []
         images.append((len(ids), item))
         ids.extend([vision.image_token_id] * item.token_count)
         parts.append(image_positions(rotary, item.grid, vision.spatial_merge_size))
         rotary += max(item.grid[1], item.grid[2]) // vision.spatial_merge_size
-        text([vision.vision_end_token_id])
+        run.append(vision.vision_end_token_id)
+    if run:
+        text(run)
     positions = torch.cat(parts) if parts else torch.zeros(0, 3, dtype=torch.int64)
     return StreamLayout(ids, images, positions, rotary - (start + len(ids)))
