@@ -99,6 +99,30 @@ def test_logits_and_greedy_tokens_match_hf_generate(hf_model, folder, name, chun
     assert list(engine.generate(8, stop_token_ids=())) == hv.hf_greedy(hf_model, items, 8)
 
 
+@torch.no_grad()
+def test_merged_input_embeddings_equal_hf(hf_model, folder):
+    """The embeddings the engine feeds (over all its pieces) are HF's ``inputs_embeds`` after its masked_scatter of
+    ``get_image_features`` (every image's merged patches at its own pads, text rows their token embeddings)."""
+    items = PROMPTS["two-images"]
+    engine = hv.engine(hf_model, folder)
+    fed, forward = [], engine.model.forward
+
+    def recording(tokens, kv_len, count=None, **kwargs):
+        rows = tokens.shape[0] if count is None else int(count)
+        fed.append(kwargs["embeds"][:rows].clone())
+        return forward(tokens, kv_len, count=count, **kwargs)
+
+    engine.model.forward = recording
+    engine.ingest(items)
+    inputs = hv.hf_inputs(items)
+    features = hf_model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    embeds = hf_model.get_input_embeddings()(inputs["input_ids"])[0]
+    want = embeds.masked_scatter((inputs["input_ids"][0] == hv.PAD)[:, None], torch.cat(features))
+    got = torch.cat(fed)
+    assert got.shape == want.shape and len(fed) > 1
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_items_split_over_ingests_continue_like_one(hf_model, folder):
     """An image ingested after text (a second call: positions from the arena's delta) and text after it continue as
     HF's single prompt does."""
