@@ -169,14 +169,14 @@ def test_text_through_the_image_path_is_byte_identical():
 def test_triton_attention_input_stage_agrees_with_the_reference(hf_model, folder):
     """The Triton kernels (TRITON_INTERPRET=1 on the CPU) on an image ingest: rotary rows of 3-component positions
     and KV rows apart from them, then decode with the delta; they agree with the reference kernels."""
-    items = [5, 6, hv.image(4, 6, seed=1), 8, 9]
+    items = [5, hv.image(4, 4, seed=1), 8]
     reference, fast = hv.engine(hf_model, folder), hv.engine(hf_model, folder, kernels="triton")
     assert fast.kernel_name.startswith("triton")
     for engine in (reference, fast):
         engine.ingest(items)
     assert rel_err(fast.next_token_logits(), reference.next_token_logits()) < REL_TOL
-    assert list(fast.generate(3, stop_token_ids=())) == list(reference.generate(3, stop_token_ids=()))
-    assert fast.rope_delta == reference.rope_delta == -3
+    assert list(fast.generate(2, stop_token_ids=())) == list(reference.generate(2, stop_token_ids=()))
+    assert fast.rope_delta == reference.rope_delta == 2 - 4
 
 
 def test_raw_images_are_preprocessed_under_the_engine_budget(hf_model, folder):
