@@ -64,6 +64,7 @@ from flashrt_ros.operations import (CONSTRAINT_FIELDS, CapsuleResult, Done, Drop
                                     ResumeResult, as_float32)
 from flashrt_ros.runtime import (INTERRUPTED_PREFIX, ErrorCode, FlashRTError, SamplingParams,
                                  validate_client_capsule_id)
+from flashrt_ros.runtime.vision import ingest_length
 
 PRIORITY_NORMAL = 0
 PRIORITY_URGENT = 1
@@ -76,9 +77,12 @@ _FINISH_CODES = {PREEMPTED: ErrorCode.PREEMPTED, CANCELED: ErrorCode.CANCELED, E
 
 @dataclass
 class ObservationInput:
+    """What an observation carries, ingested in this order: token_ids, images, text, values. An image (a runtime
+    ``vision.preprocess.Image``, or a ``PreparedImage``) takes its image tokens plus two positions."""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
+    images: list = field(default_factory=list)
     max_new_tokens: int = 0
     priority: int = PRIORITY_NORMAL
     snapshot_label: str = ""
@@ -447,6 +451,7 @@ class Session:
         sampling parameters (a Generate goal's ``fields``), or FlashRTError. ``after_tokens``: tokens ahead of it,
         still to be ingested."""
         ids = self.engine.check_ingest(self._tokenise(obs), after_tokens)
+        length = ingest_length(ids)
         params = self._sampling(fields)
         if obs.max_new_tokens < 0:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "max_new_tokens must be >= 0")
@@ -455,11 +460,11 @@ class Session:
         if not ids and obs.max_new_tokens == 0:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "empty observation: no tokens and nothing to generate")
         if obs.max_new_tokens:
-            self.engine.check_generate(after_tokens + len(ids))
+            self.engine.check_generate(after_tokens + length)
         if obs.snapshot_label:  # refuse now rather than ingest and then fail to take the capsule(s)
             # a preempted generation is kept as a capsule of the current state first: both must fit
             interrupted = (self.engine.position,) if self._active is not None else ()
-            self.engine.check_capsule_room(*interrupted, self.engine.position + after_tokens + len(ids),
+            self.engine.check_capsule_room(*interrupted, self.engine.position + after_tokens + length,
                                            label=obs.snapshot_label)
         return ids, params
 
@@ -493,7 +498,7 @@ class Session:
                 checked.append((None, None, e))
                 continue
             checked.append((ids, params, None))
-            pending += len(ids)
+            pending += ingest_length(ids)
         tokens = [t for ids, _, error in checked if error is None for t in ids]
         if any(error is None for _, _, error in checked) and self._active is not None:
             self._active.stop(PREEMPTED)  # as one accepted observation alone would
@@ -515,8 +520,9 @@ class Session:
                 if generating:
                     self._refuse_generation(obs.stamp_ns)
                 continue
-            self._event("observe", fields, at, position, start, True, ErrorCode.OK, "", after=position + len(ids))
-            position += len(ids)
+            after = position + ingest_length(ids)
+            self._event("observe", fields, at, position, start, True, ErrorCode.OK, "", after=after)
+            position = after
         ids, params, error = checked[-1]
         if error is not None:
             return None
@@ -541,8 +547,9 @@ class Session:
         fields = {"count": count}
         return self._operation("observation_lost", run, fields, needs_active=False)
 
-    def _tokenise(self, obs: ObservationInput) -> list[int]:
-        ids = list(obs.token_ids)
+    def _tokenise(self, obs: ObservationInput) -> list:
+        """The observation's ingest items: token ids, images, the text's ids, the values' ids."""
+        ids = list(obs.token_ids) + list(obs.images)
         if obs.text:
             ids += self.engine.tokenizer.encode(obs.text)
         return ids + self.discretiser.encode(obs.values)

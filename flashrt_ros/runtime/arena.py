@@ -18,7 +18,10 @@ from .config import ModelConfig
 ALIGN = 256
 
 # Slots of the int64 ``meta`` buffer. The sampler's RNG is counter-based, so (seed, counter) is its whole state.
-POSITION, LAST_TOKEN, RNG_SEED, RNG_COUNTER = range(4)
+# ROPE_DELTA: the next text token's rotary (M-RoPE) position minus its token index; 0 until an image, whose tokens
+# take fewer rotary positions than token rows, makes it negative (``vision/layout.py``). Text-only streams never
+# write it, so their arena bytes are what they were before images existed.
+POSITION, LAST_TOKEN, RNG_SEED, RNG_COUNTER, ROPE_DELTA = range(5)
 META_SLOTS = 8
 
 

@@ -34,6 +34,9 @@ class ModelConfig:
     max_position_embeddings: int = 262_144
     eos_token_ids: tuple[int, ...] = ()
     vision: VisionConfig | None = None          # the vision tower, when the checkpoint or preset has one
+    # M-RoPE: how many rotary frequencies follow the temporal, height and width position of a token, interleaved
+    # (HF's Qwen3.5 text rotary). Text tokens have three equal components, so it matters only after an image.
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
 
     @property
     def num_layers(self) -> int:
@@ -66,8 +69,8 @@ class ModelConfig:
     def to_json(self) -> str:
         """Canonical JSON (a text-only config's is what it was before vision existed: fingerprints unchanged)."""
         fields = dataclasses.asdict(self)
-        if fields["vision"] is None:
-            del fields["vision"]
+        if fields["vision"] is None:      # without images M-RoPE is plain RoPE: the section changes nothing
+            del fields["vision"], fields["mrope_section"]
         return json.dumps(fields, sort_keys=True)
 
     def validate(self) -> "ModelConfig":
@@ -80,6 +83,8 @@ class ModelConfig:
             problems.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             problems.append("partial_rotary_factor * head_dim must be an even number in (0, head_dim]")
+        if len(self.mrope_section) != 3 or any(s < 0 for s in self.mrope_section):
+            problems.append(f"mrope_section must be three counts >= 0, got {list(self.mrope_section)}")
         if self.mtp_num_hidden_layers > 1:
             problems.append("at most one MTP layer is supported")
         if problems:
@@ -121,7 +126,7 @@ def from_hf_dict(raw: dict) -> ModelConfig:
             rope_theta=float(rope["rope_theta"]), partial_rotary_factor=float(rope["partial_rotary_factor"]),
             tie_word_embeddings=bool(tie), mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
             max_position_embeddings=text.get("max_position_embeddings", 262_144), eos_token_ids=eos_ids,
-            vision=vision_from_hf_dict(raw),
+            vision=vision_from_hf_dict(raw), mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
         ).validate()
     except KeyError as missing:
         raise FlashRTError(ErrorCode.LOAD_FAILED, f"config.json lacks required field {missing}") from None

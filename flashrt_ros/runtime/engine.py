@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from .arena import RNG_COUNTER, RNG_SEED, Arena, buffer_specs
+from .arena import RNG_COUNTER, RNG_SEED, ROPE_DELTA, Arena, buffer_specs
 from .capsule import file as capsule_io
 from .capsule import tiers as capsule_tiers
 from .capsule.capsule import FIXED, Block, CapsuleInfo, Layout, StoredCapsule, row_parts
@@ -38,6 +38,9 @@ from .model import PIECE_BUCKET, SMALL_PIECE
 from .sampler import Sampler, SamplingParams
 from .speculative import MAX_SPECULATIVE_TOKENS, STEP_ROWS, Stats, Stepper
 from .tokenizer import load_tokenizer
+from .vision.layout import Item, ingest_length, lay_out
+from .vision.prepared import PreparedImage
+from .vision.preprocess import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, Image, preprocess
 from .weights import load, weights_digest
 
 PLAN_VERSION = "flashrt-plan-2"   # 2: fused projections, padded piece buckets, fixed 64-row delta-rule chunks
@@ -46,6 +49,7 @@ PLAN_VERSION = "flashrt-plan-2"   # 2: fused projections, padded piece buckets, 
 SPECULATIVE_PLAN_VERSION = "flashrt-plan-3-spec"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MIN_KV_BUCKET = 256
+# the released Qwen3-VL / Qwen3.5 processor's pixel budget per image (its preprocessor_config "size")
 _log = logging.getLogger("flashrt.runtime")
 
 
@@ -73,6 +77,9 @@ class EngineConfig:
     max_capsules: int = 1024            # capsules stored at once, on every tier (each costs time in every listing)
     speculative_tokens: int = 0         # MTP drafts verified per decode step (0 = off; see speculative.py)
     draft_vocab: int = 0                # drafts pick among the first draft_vocab token ids (0 = all; speed only)
+    vision_tower: bool = True           # build the model's vision tower when it has one (False: images are refused)
+    image_min_pixels: int = DEFAULT_MIN_PIXELS   # an image is resized into [min, max] pixels before the tower
+    image_max_pixels: int = DEFAULT_MAX_PIXELS
 
     def validate(self) -> "EngineConfig":
         def bad(why):
@@ -102,6 +109,9 @@ class EngineConfig:
             raise bad(f"draft_vocab must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab}")
         if not 0.0 <= self.capsule_budget_fraction <= 1.0:
             raise bad(f"capsule_budget_fraction must be in [0, 1], got {self.capsule_budget_fraction}")
+        if not 0 < self.image_min_pixels <= self.image_max_pixels:
+            raise bad(f"image pixel budget needs 0 < image_min_pixels <= image_max_pixels, got "
+                      f"{self.image_min_pixels} and {self.image_max_pixels}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise FlashRTError(ErrorCode.LOAD_FAILED, f"device {self.device!r} requested but CUDA is not available")
         return self
@@ -144,7 +154,8 @@ class Engine:
         folder = None if cfg.model in PRESETS else Path(cfg.model)
         self.platform = platform.probe(self.device, dtype)     # raises LOAD_FAILED if the device cannot compute
         self.model, self.weights_format = load(cfg.model, self.device, dtype, cfg.seed, cfg.weights_format,
-                                               cfg.weights_exclude, use_triton=self.platform.quant_triton)
+                                               cfg.weights_exclude, use_triton=self.platform.quant_triton,
+                                               with_vision=cfg.vision_tower)
         self.model.eval().requires_grad_(False)
         self.model_config = self.model.cfg
         if cfg.max_context > self.model_config.max_position_embeddings:
@@ -322,20 +333,32 @@ class Engine:
                 self.graphs.capture(("piece", bucket, kv_len), self._piece_step(bucket, kv_len), prepare)
         torch.cuda.synchronize(self.device)
 
-    def _feed(self, start: int, token_ids: Sequence[int]) -> None:
+    def _feed(self, start: int, token_ids: Sequence[int], embeds: torch.Tensor | None = None,
+              rope_positions: torch.Tensor | None = None) -> None:
+        """Run the model over ``token_ids`` appended at ``start``, in :func:`_pieces`. With images: ``embeds``
+        [N, H] (the image rows replaced) and ``rope_positions`` [N, 3]; their pieces run eagerly, each small one
+        padded to its bucket exactly as its graph would be (padding rows repeat the last real row's inputs)."""
         offset = 0
         for length in _pieces(len(token_ids), self.config.prefill_chunk):
             end = start + offset + length
+            rows = length if length > SMALL_PIECE else _piece_bucket(length)
+            if embeds is None:
+                inputs = {}
+            else:
+                real = offset + torch.arange(rows, device=self.device).clamp_max(length - 1)
+                inputs = {"embeds": embeds[real], "rope_positions": rope_positions[real]}
             if length <= SMALL_PIECE:
-                bucket = _piece_bucket(length)
                 kv_len = self._kv_bucket(end)
-                padded = token_ids[offset:offset + length] + [0] * (bucket - length)
-                self._tokens[:bucket].copy_(torch.tensor(padded, dtype=torch.int64), non_blocking=True)
+                padded = token_ids[offset:offset + length] + [0] * (rows - length)
+                self._tokens[:rows].copy_(torch.tensor(padded, dtype=torch.int64), non_blocking=True)
                 self._count.fill_(length)
-                self.graphs.run(("piece", bucket, kv_len), self._piece_step(bucket, kv_len))
+                if inputs:
+                    self.model.forward(self._tokens[:rows], kv_len, count=self._count, **inputs)
+                else:
+                    self.graphs.run(("piece", rows, kv_len), self._piece_step(rows, kv_len))
             else:
                 self._tokens[:length].copy_(torch.tensor(token_ids[offset:offset + length], dtype=torch.int64))
-                self.model.forward(self._tokens[:length], end, dense=True)
+                self.model.forward(self._tokens[:length], end, dense=True, **inputs)
             offset += length
 
     # ---- history for rollback(steps=k) --------------------------------------------------------------------
@@ -358,25 +381,92 @@ class Engine:
             self._boundaries.append(_Boundary(self.position, fixed=fixed))
 
     # ---- stream ------------------------------------------------------------------------------------------
-    def _check_tokens(self, token_ids: Iterable[int], position: int) -> list[int]:
-        try:
-            ids = [operator.index(t) for t in token_ids]
-        except TypeError:
-            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "token ids must be integers") from None
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+    def _check_tokens(self, items: Iterable, position: int) -> list[Item]:
+        """Token ids checked and images prepared and checked (:meth:`_prepare_image`), all before anything
+        changes; the ids and images as a list."""
+        checked: list[Item] = []
+        for item in items:
+            try:
+                checked.append(operator.index(item))
+            except TypeError:
+                image = self._prepare_image(item)
+                if image is None:
+                    raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "token ids must be integers (or images)") from None
+                checked.append(image)
+        bad = [t for t in checked if isinstance(t, int) and not 0 <= t < self.vocab_size]
         if bad:
             raise FlashRTError(ErrorCode.TOKEN_OUT_OF_RANGE,
                                f"token id(s) {bad[:5]} outside [0, {self.vocab_size})")
-        if position + len(ids) > self.max_context:
-            raise FlashRTError(ErrorCode.CONTEXT_OVERFLOW, f"{len(ids)} tokens at position {position} exceed "
+        length = ingest_length(checked)
+        if position + length > self.max_context:
+            raise FlashRTError(ErrorCode.CONTEXT_OVERFLOW, f"{length} tokens at position {position} exceed "
                                                            f"max_context {self.max_context}")
-        return ids
+        return checked
+
+    @property
+    def visual(self):
+        """The vision tower (``model.visual``), or None: the model has none, or ``vision_tower`` is off."""
+        return getattr(self.model, "visual", None)
+
+    def _prepare_image(self, item) -> PreparedImage | None:
+        """``item`` as a checked PreparedImage (an ``Image`` preprocessed under the engine's pixel budget), or None
+        when it is not an image. INVALID_ARGUMENT: no vision tower, or a grid, patch shape or size the tower
+        cannot take."""
+        if not isinstance(item, (PreparedImage, Image)):
+            return None
+        vision = self.model_config.vision
+        if vision is None or self.visual is None:
+            why = "has no vision tower" if vision is None else "was started with vision_tower off"
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"an image was sent, but model {self.config.model!r} {why}")
+        if isinstance(item, Image):
+            item = preprocess(item, vision, self.config.image_min_pixels, self.config.image_max_pixels)
+        return self._check_image(item, vision)
+
+    def _check_image(self, image: PreparedImage, vision) -> PreparedImage:
+        def bad(why):
+            return FlashRTError(ErrorCode.INVALID_ARGUMENT, f"image: {why}")
+        merge = vision.spatial_merge_size
+        try:
+            t, h, w = (operator.index(n) for n in image.grid)
+        except (TypeError, ValueError):
+            raise bad(f"grid must be three integers (t, h, w), got {image.grid!r}") from None
+        if min(t, h, w) < 1 or h % merge or w % merge:
+            raise bad(f"grid {image.grid} must be positive, its h and w multiples of {merge} (zero-size image?)")
+        if image.spatial_merge_size != merge:
+            raise bad(f"prepared for spatial_merge_size {image.spatial_merge_size}, the tower merges {merge}")
+        pixels = h * w * vision.patch_size ** 2
+        if pixels > self.config.image_max_pixels:
+            raise bad(f"{pixels} pixels ({h} x {w} patches of {vision.patch_size}) exceed image_max_pixels "
+                      f"{self.config.image_max_pixels}")
+        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        patches = image.patches
+        if (not isinstance(patches, torch.Tensor) or not patches.is_floating_point()
+                or tuple(patches.shape) != (t * h * w, width)):
+            raise bad(f"patches must be a float tensor [{t * h * w}, {width}] for grid {image.grid}, got "
+                      f"{getattr(patches, 'dtype', type(patches).__name__)} {tuple(getattr(patches, 'shape', ()))}")
+        if not bool(torch.isfinite(patches).all()):
+            raise bad("patches hold NaN or infinite values")
+        return image
+
+    def _encode(self, image: PreparedImage) -> torch.Tensor:
+        """The tower's embeddings of one image [token_count, hidden] in the model dtype."""
+        out = self.visual(image.patches.to(self.device), image.grid)
+        if tuple(out.shape) != (image.token_count, self.model_config.hidden_size):
+            raise FlashRTError(ErrorCode.INTERNAL, f"the vision tower gave {tuple(out.shape)} for grid {image.grid}, "
+                                                   f"not [{image.token_count}, {self.model_config.hidden_size}]")
+        return out.to(self.arena["hidden"].dtype)
+
+    @property
+    def rope_delta(self) -> int:
+        """The live ROPE_DELTA (the next text token's rotary position minus its row; 0 without images)."""
+        return int(self.arena["meta"][ROPE_DELTA])
 
     # ---- checks a caller runs before it changes anything (the engine's own calls run them too) ------------
-    def check_ingest(self, token_ids: Iterable[int], after_tokens: int = 0) -> list[int]:
-        """TOKEN_OUT_OF_RANGE / CONTEXT_OVERFLOW unless ``token_ids`` can be appended now (after ``after_tokens``
-        more, still to be ingested); returns them."""
-        return self._check_tokens(token_ids, self.position + after_tokens)
+    def check_ingest(self, items: Iterable, after_tokens: int = 0) -> list[Item]:
+        """TOKEN_OUT_OF_RANGE / CONTEXT_OVERFLOW / INVALID_ARGUMENT unless ``items`` (token ids and images:
+        ``PreparedImage`` or ``Image``) can be appended now (after ``after_tokens`` more positions, still to be
+        ingested); returns them checked, every image prepared (``vision.ingest_length`` gives their length)."""
+        return self._check_tokens(items, self.position + after_tokens)
 
     def check_generate(self, after_tokens: int = 0) -> None:
         """INVALID_ARGUMENT if generating would start from an empty context (after ``after_tokens`` more)."""
@@ -389,19 +479,33 @@ class Engine:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"seed must be in [0, 2**63), got {seed}")
 
     @torch.inference_mode()
-    def ingest(self, token_ids: Sequence[int]) -> int:
-        """Append tokens to the context (chunked prefill); returns the new position."""
+    def ingest(self, items: Sequence) -> int:
+        """Append token ids and images to the context (chunked prefill) as one commit boundary; returns the new
+        position. An image is ``<vision_start> <image_pad> * token_count <vision_end>`` with the pads' embeddings
+        the vision tower's, run before anything changes."""
         started = time.perf_counter()
         start = self.position
-        ids = self._check_tokens(token_ids, start)
-        if ids:
-            self.constrain(None)              # the stream left the constrained generation
-            self.live.rows.truncate(start)
-            self._moved_to(None)
+        items = self._check_tokens(items, start)
+        if not items:
+            return start
+        images = [item for item in items if isinstance(item, PreparedImage)]
+        features = [self._encode(image) for image in images]
+        layout = lay_out(items, self.model_config.vision, start, self.rope_delta) if images else None
+        ids = items if layout is None else layout.token_ids
+        self.constrain(None)              # the stream left the constrained generation
+        self.live.rows.truncate(start)
+        self._moved_to(None)
+        if layout is None:
             self._feed(start, ids)
-            self._moved_to(start + len(ids))
-            self._push_boundary(start + len(ids))
-            self._last_ingest_s = time.perf_counter() - started
+        else:
+            embeds = self.model.model.embed_tokens(torch.tensor(ids, device=self.device))
+            for (row, image), feature in zip(layout.images, features):
+                embeds[row:row + image.token_count] = feature
+            self._feed(start, ids, embeds, layout.rope_positions.to(self.device))
+            self.arena["meta"][ROPE_DELTA] = layout.rope_delta
+        self._moved_to(start + len(ids))
+        self._push_boundary(start + len(ids))
+        self._last_ingest_s = time.perf_counter() - started
         return start + len(ids)
 
     def generate(self, max_new_tokens: int, sampling: SamplingParams | None = None,
@@ -747,7 +851,7 @@ class Engine:
     # ---- identity ----------------------------------------------------------------------------------------
     def _compute_fingerprints(self, dtype: torch.dtype) -> dict[str, str]:
         """The fingerprint of this model and config under each decode plan (the plain one is main's, unchanged)."""
-        identity = {"weights": weights_digest(self.model), "config": self.model_config.to_json(),
+        identity = {"weights": weights_digest(self.model, with_tower=False), "config": self.model_config.to_json(),
                     "manifest": self.arena.manifest_json(), "dtype": str(dtype),
                     "kernels": self.kernel_name, "device_type": self.device.type,
                     "prefill_chunk": self.config.prefill_chunk, "weights_format": self.weights_format}

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .arena import LAST_TOKEN, POSITION, Arena
+from .arena import LAST_TOKEN, POSITION, ROPE_DELTA, Arena
 from .config import ModelConfig
 from .kernels import KernelSet
 from .vision.encoder import VisionEncoder
+from .kernels.rope import mrope_components, mrope_rows
 
 
 # Prefill pieces up to this length run as one graph replay on CUDA, padded to a multiple of PIECE_BUCKET; the
@@ -263,8 +264,8 @@ class Qwen35(nn.Module):
         return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
     def bind(self, arena: Arena, kernels: KernelSet) -> None:
-        """Attach the arena and the kernel set; build the static RoPE tables (one row per position) and the fp32
-        norm scales."""
+        """Attach the arena and the kernel set; build the static RoPE tables (one row per position), which rotary
+        feature follows which M-RoPE component, and the fp32 norm scales."""
         cfg = self.cfg
         for module in self.modules():
             if isinstance(module, RMSNorm):
@@ -276,6 +277,7 @@ class Qwen35(nn.Module):
         freqs = torch.cat([freqs, freqs], dim=-1)
         self.rope_cos = freqs.cos().to(device=device, dtype=dtype)
         self.rope_sin = freqs.sin().to(device=device, dtype=dtype)
+        self.rope_components = mrope_components(cfg.rotary_dim, cfg.mrope_section).to(device)
         self.offsets = torch.arange(max_context, device=device)
 
     def logits(self, hidden: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:
@@ -288,14 +290,26 @@ class Qwen35(nn.Module):
             return head(hidden, out_features=vocab).float()
         return F.linear(hidden, self.output_weight()[:vocab]).float()
 
+    def rope_rows(self, positions: torch.Tensor, rope_positions: torch.Tensor | None = None):
+        """cos, sin [L, R] of tokens at KV rows ``positions`` [L]: text tokens rotate at their row plus the arena's
+        ROPE_DELTA; ``rope_positions`` [L, 3] (an ingest with images) gives every token's M-RoPE position instead."""
+        if rope_positions is None:
+            rotary = positions + self.arena["meta"][ROPE_DELTA]
+            return self.rope_cos[rotary], self.rope_sin[rotary]
+        return (mrope_rows(self.rope_cos, rope_positions, self.rope_components),
+                mrope_rows(self.rope_sin, rope_positions, self.rope_components))
+
     def forward(self, tokens: torch.Tensor, kv_len: int, count: torch.Tensor | None = None,
-                dense: bool = False, step: StepRows | None = None) -> None:
+                dense: bool = False, step: StepRows | None = None, embeds: torch.Tensor | None = None,
+                rope_positions: torch.Tensor | None = None) -> None:
         """Append tokens to the stream: update every state buffer, the last hidden state and the position.
 
         ``tokens`` [L]; ``count`` (a 0-d int64 device tensor) says how many of them are real: the rest pad a
         fixed-size bucket and touch no state. None means all L. ``kv_len`` bounds the attention span: a bucket
         >= position + L (it selects a graph, not a result), or with ``dense`` exactly position + L (eager pieces).
         ``step``: a decode or verify step of ``count`` (= ``step.live``) tokens (see :class:`StepRows`).
+        ``embeds`` [L, H]: the input embeddings when they are not the tokens' own (an image's rows); ``rope_positions``
+        [L, 3]: every token's M-RoPE position (see :meth:`rope_rows`).
         """
         arena, cfg = self.arena, self.cfg
         kernels = self.kernels
@@ -303,8 +317,8 @@ class Qwen35(nn.Module):
         length = tokens.shape[0]
         eps = cfg.rms_norm_eps
         positions = (meta[POSITION] + self.offsets[:length]).clamp_max(self.offsets.shape[0] - 1)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        embeds = self.model.embed_tokens(tokens)
+        cos, sin = self.rope_rows(positions, rope_positions)
+        embeds = self.model.embed_tokens(tokens) if embeds is None else embeds
         layers = self.model.layers
         x = embeds
         h = kernels.rms_norm(x, layers[0].input_layernorm.scale, eps)
@@ -361,7 +375,8 @@ class Qwen35(nn.Module):
         layer, eps, kernels = self.mtp.layers[0], self.cfg.rms_norm_eps, self.kernels
         x = self._mtp_input(self.model.embed_tokens(token), previous)
         h = kernels.rms_norm(x, layer.input_layernorm.scale, eps)
-        mixed = layer.self_attn(h, self.rope_cos[position], self.rope_sin[position], position,
+        cos, sin = self.rope_rows(position)
+        mixed = layer.self_attn(h, cos, sin, position,
                                 self.arena["mtp_kv"][:, 0], kv_len, None, False, kernels)
         h, x = kernels.add_rms_norm(mixed, x, layer.post_attention_layernorm.scale, eps)
         return kernels.add_rms_norm(layer.mlp(h, kernels), x, self.mtp.norm.scale, eps)[0]

@@ -263,10 +263,14 @@ def load(model: str, device: torch.device, dtype: torch.dtype, seed: int = 0, fm
     raise error
 
 
-def weights_digest(model: Qwen35) -> str:
-    """A digest of every parameter's name, shape, dtype and bytes (checksummed on the device)."""
+def weights_digest(model: Qwen35, with_tower: bool = True) -> str:
+    """A digest of every parameter's name, shape, dtype and bytes (checksummed on the device); without
+    ``with_tower``, of the text model's alone (what a capsule's continuation depends on: the tower only turns the
+    next image into embeddings, so capsules move between engines with the tower loaded or not)."""
     h = hashlib.sha256()
     for name, param in model.named_parameters():
+        if not with_tower and name.startswith(VISUAL):
+            continue
         h.update(f"{name}:{tuple(param.shape)}:{param.dtype}:".encode())
         h.update(checksum(param.data.contiguous().view(-1).view(torch.uint8)).encode())
     return h.hexdigest()

@@ -19,6 +19,7 @@ from flashrt_ros.runtime.sampler import SamplingParams
 from flashrt_ros.runtime.vision.preprocess import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 
 from . import bench_capsules, bench_constraint, bench_quant, bench_spec, bench_vision, plan
+from . import bench_capsules, bench_constraint, bench_image_ttft, bench_quant, bench_spec, plan
 from .bench import bench_context, cold_prefill_profile, markdown_table
 from .verify import verify
 
@@ -145,6 +146,12 @@ def cmd_bench_vision(args) -> dict:
                               bench_vision.parse_resolutions(args.resolutions), args.repeats, args.min_pixels,
                               args.max_pixels)
     return _report(result, bench_vision.markdown(result), args.out)
+def cmd_bench_image_ttft(args) -> dict:
+    engine = Engine(_config(args, 4096, 64, 256))
+    height, width = (int(n) for n in args.grid.split("x"))
+    result = {"model": args.model, "device": args.device, "dtype": args.dtype, "kernels": engine.kernel_name,
+              **bench_image_ttft.run(engine, bench_image_ttft.random_image(engine, height, width), args.repeats)}
+    return _report(result, bench_image_ttft.markdown(result), args.out)
 
 
 def cmd_plan(args) -> dict:
@@ -247,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
     bv.add_argument("--out", help="write the JSON result here too")
     bv.set_defaults(func=cmd_bench_vision)
+    bi = sub.add_parser("bench-image-ttft", help="image-to-first-token latency: cold vs from a post-image capsule")
+    _engine_args(bi)
+    bi.add_argument("--grid", default="16x16", help="the image in patches, HxW (16x16: 256x256 pixels, 64 tokens)")
+    bi.add_argument("--repeats", type=int, default=10)
+    bi.add_argument("--out", help="write the JSON result here too")
+    bi.set_defaults(func=cmd_bench_image_ttft)
     pl = sub.add_parser("plan", help="weights + arena + history + capsule budget per preset and format, against a "
                                      "memory size (default: Thor's 128 GB); nothing is loaded")
     pl.add_argument("--presets", default=",".join(p for p in PRESETS if not p.startswith("tiny")))

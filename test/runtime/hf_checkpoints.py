@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
+from hf_random import random_model
+
 # Shared by every tiny config unless overridden: GQA (4 query heads on 2 KV heads), grouped value heads (4 value
 # heads on 2 key heads), the default hybrid layout (3 Gated DeltaNet layers, then full attention), tied embeddings.
 BASE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -29,13 +31,7 @@ def rope(theta: float, partial_rotary_factor: float) -> dict:
 
 def build_model(config: Qwen3_5TextConfig, seed: int = 0) -> Qwen3_5ForCausalLM:
     """A seeded random HF model in fp32, eval mode, with every 1-D weight moved off its neutral value."""
-    torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1:
-                param.add_(0.3 * torch.randn_like(param) if not name.endswith("A_log") else torch.rand_like(param))
-    return model
+    return random_model(Qwen3_5ForCausalLM, config, seed)
 
 
 def save(model: Qwen3_5ForCausalLM, folder: Path, **save_kwargs) -> Path:

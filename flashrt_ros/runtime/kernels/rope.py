@@ -21,6 +21,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
 
 
+def mrope_components(rotary_dim: int, section: tuple[int, int, int]) -> torch.Tensor:
+    """Which position component (0 temporal, 1 height, 2 width) rotates each of the ``rotary_dim`` features: HF's
+    interleaved M-RoPE (``Qwen3_5TextRotaryEmbedding.recomposition_frequencies``): frequency j follows the height
+    when j % 3 == 1 and j < 3 * section[1], the width when j % 3 == 2 and j < 3 * section[2], else time; both halves
+    of the rotary part share the frequencies. [rotary_dim] int64 (CPU)."""
+    half = torch.arange(rotary_dim // 2)
+    component = torch.zeros_like(half)
+    for axis in (1, 2):
+        component[(half % 3 == axis) & (half < 3 * section[axis])] = axis
+    return torch.cat([component, component])
+
+
+def mrope_rows(table: torch.Tensor, positions: torch.Tensor, components: torch.Tensor) -> torch.Tensor:
+    """The cos (or sin) rows of tokens with 3-component rotary positions: ``out[i, j] = table[positions[i,
+    components[j]], j]``. table: [T, R] (one row per plain position), positions: [L, 3] int64, components: [R]
+    (:func:`mrope_components`). A token whose three components are equal gets exactly ``table[p]``. Plain indexing,
+    so it is capturable in a CUDA graph and feeds either attention input stage unchanged."""
+    columns = torch.arange(table.shape[1], device=table.device)
+    return table[positions[:, components], columns]
+
+
 def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
                           k_scale: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                           kv_cache: torch.Tensor, positions: torch.Tensor,
@@ -28,8 +49,9 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_s
     """Attention inputs: returns rope(rms_norm(q)) [L, H, D]; writes kv_cache[positions[i], 0] = rope(rms_norm(k[i]))
     and kv_cache[positions[i], 1] = v[i] for the real rows i < count (all rows when ``count`` is None).
 
-    q: [L, H, D], k, v: [L, Hkv, D]; cos, sin: [L, R] (each query's rows); kv_cache: [T, 2, Hkv, D] (one layer of the
-    position-major arena KV); positions: [L] int64. Padding rows (i >= count) write nothing: they are redirected to
+    q: [L, H, D], k, v: [L, Hkv, D]; cos, sin: [L, R] (each query's rows: of its rotary position, which after an
+    image differs from its KV row and may have three components, see :func:`mrope_rows`); kv_cache: [T, 2, Hkv, D]
+    (one layer of the position-major arena KV); positions: [L] int64, the KV rows. Padding rows (i >= count) write nothing: they are redirected to
     the last real row, which is written twice with the same bytes.
     """
     q_out = apply_rope(rms_norm(q, q_scale, eps), cos, sin)

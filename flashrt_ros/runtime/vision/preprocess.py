@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..errors import ErrorCode, FlashRTError
 from .config import VisionConfig
+from .prepared import PreparedImage
 
 # The released processor's preprocessor_config.json (every Qwen3.5/3.6 size); resample and rescale_factor are not
 # in it, so they are Qwen2VLImageProcessor's class defaults (PIL BICUBIC, 1/255).
@@ -46,28 +47,6 @@ class Image:
             raise _refuse(f"an image must be uint8 [height, width, 3] RGB, got {what}")
         if rgb.shape[0] == 0 or rgb.shape[1] == 0:
             raise _refuse(f"an image must not be empty, got {rgb.shape[0]}x{rgb.shape[1]}")
-
-
-@dataclasses.dataclass(frozen=True)
-class PreparedImage:
-    """An image as the tower takes it: ``patches`` float32 [t*h*w, channels*temporal*patch*patch] (HF's
-    ``pixel_values`` rows of this image) and ``grid`` (t, h, w) in patches (its ``image_grid_thw`` row)."""
-    patches: torch.Tensor
-    grid: tuple[int, int, int]
-    spatial_merge_size: int = 2
-
-    def __post_init__(self):
-        t, h, w = self.grid
-        merge = self.spatial_merge_size
-        if min(self.grid) < 1 or h % merge or w % merge or self.patches.ndim != 2 \
-                or self.patches.shape[0] != t * h * w:
-            raise _refuse(f"patches {tuple(self.patches.shape)} do not fit grid {self.grid} (merge {merge})")
-
-    @property
-    def token_count(self) -> int:
-        """The image pad tokens it takes in the text: one per merged block of patches."""
-        t, h, w = self.grid
-        return t * h * w // self.spatial_merge_size ** 2
 
 
 def resized_size(height: int, width: int, vision: VisionConfig, min_pixels: int = DEFAULT_MIN_PIXELS,
