@@ -17,7 +17,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from flashrt_ros.runtime import ErrorCode, FlashRTError
 from flashrt_ros.runtime.config import PRESETS
 from flashrt_ros.runtime.vision.preprocess import (DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, RESCALE_FACTOR, Image,
-                                                   PreparedImage, preprocess, resized_size)
+                                                   preprocess, resized_size)
 
 # Qwen3.5's preprocessor_config.json (the same for every released size): the values the runtime must follow.
 RELEASED = {"size": {"longest_edge": 16_777_216, "shortest_edge": 65_536}, "patch_size": 16,
@@ -143,13 +143,6 @@ def test_the_default_budget_resizes_small_frames_up():
     prepared = preprocess(Image(rgb), VISION)
     assert prepared.grid == grid and prepared.grid[1] * prepared.grid[2] * 256 >= DEFAULT_MIN_PIXELS
     assert np.abs(prepared.patches.numpy() - expected).max() <= 2 * LEVEL + 1e-6
-
-
-def test_prepared_image_checks_its_grid():
-    prepared = preprocess(Image(camera(64, 64, seed=3)), VISION, MIN_PIXELS, MAX_PIXELS)
-    with pytest.raises(FlashRTError) as refused:
-        PreparedImage(prepared.patches[:-1], prepared.grid)
-    assert refused.value.code == ErrorCode.INVALID_ARGUMENT
 
 
 def test_a_strided_view_prepares_like_its_copy():

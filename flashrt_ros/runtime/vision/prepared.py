@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from ..errors import ErrorCode, FlashRTError
-
 if TYPE_CHECKING:
     import torch
 
@@ -14,18 +12,11 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class PreparedImage:
     """``patches`` float32 [t*h*w, channels*temporal*patch*patch] (HF's ``pixel_values`` rows of this image) and
-    ``grid`` (t, h, w) in patches (its ``image_grid_thw`` row); checked when made."""
+    ``grid`` (t, h, w) in patches (its ``image_grid_thw`` row). The engine checks it against its tower when it is
+    ingested (``Engine.check_ingest``), where a bad one is refused with the reason before anything changes."""
     patches: "torch.Tensor"
     grid: tuple[int, int, int]
     spatial_merge_size: int = 2           # merged patches per side: one image token per merge**2 patches
-
-    def __post_init__(self):
-        t, h, w = self.grid
-        merge = self.spatial_merge_size
-        if min(self.grid) < 1 or h % merge or w % merge or self.patches.ndim != 2 \
-                or self.patches.shape[0] != t * h * w:
-            raise FlashRTError(ErrorCode.INVALID_ARGUMENT,
-                               f"patches {tuple(self.patches.shape)} do not fit grid {self.grid} (merge {merge})")
 
     @property
     def token_count(self) -> int:
