@@ -321,7 +321,7 @@ class FlashRTNode(Node):
         try:
             observation = conv.observation_in(msg, self._image_limits)
         except conv.RefusedObservation as refused:  # an image it cannot read: refused with an event, as the Session does
-            future = worker.submit(lambda s: s.refuse_observation(refused.observation, refused.message))
+            future = worker.submit(lambda s, r=refused: s.refuse_observation(r.observation, r.message))
         else:
             future = ingest.offer(observation)  # queued; coalesced at the next step boundary
         if future is not None:
@@ -366,7 +366,7 @@ class FlashRTNode(Node):
             kwargs = conv.session_kwargs(OPERATIONS["generate"], goal, self._image_limits)
         except conv.RefusedObservation as refused:  # an image it cannot read: refused with an event, as the Session does
             kwargs = {"observation": refused.observation}
-            begin = lambda session: session.refuse_observation(refused.observation, refused.message)  # noqa: E731
+            begin = lambda session, r=refused: session.refuse_observation(r.observation, r.message)  # noqa: E731
         else:
             begin = lambda session: session.generate(**kwargs)  # noqa: E731
         feedback: queue.SimpleQueue = queue.SimpleQueue()
