@@ -9,13 +9,17 @@ from image_helpers import camera_msg, rgb_pixels
 from rclpy.serialization import serialize_message
 
 from flashrt_ros.bag.bagfile import TOPICS, BagError, Record
-from flashrt_ros.bag.replay import to_message
+from flashrt_ros.bag.compare import compare_topic
+from flashrt_ros.bag.replay import advance, apply, to_message
 from flashrt_ros.bag.script import build_script
 from flashrt_ros.bag.typestore import typestore
 from flashrt_ros.image_convert import digest, to_rgb
 from flashrt_ros.msg import Observation
 from flashrt_ros.ros_convert import observation_in
-from flashrt_ros.session import EventOutput, ObservationInput
+from flashrt_ros.discretiser import Discretiser
+from flashrt_ros.image_convert import ImageLimits
+from flashrt_ros.runtime import Engine, EngineConfig, SamplingParams
+from flashrt_ros.session import EventOutput, ObservationInput, Session, TokenOutput
 
 RGB = [rgb_pixels(6, 10, seed=1), rgb_pixels(3, 4, seed=2)]
 
@@ -100,3 +104,59 @@ def test_an_event_without_images_is_left_as_recorded():
     event = to_message(EventOutput(1, "observe", observation=ObservationInput(text="hi"), position_after=2))[1]
     (call,) = build_script([Record("events", 1, event)])
     assert call.event is event and list(event.image_digests) == []
+
+
+@pytest.mark.parametrize("pixels", [True, False])
+def test_a_tiny_vl_session_with_images_replays_exactly(pixels):
+    """Needs the runtime side of #32 (the engine's image ingest). Recorded with or without pixels in its events, the
+    session replays to the same events, tokens and live bytes."""
+    engine = Engine(EngineConfig(model="tiny-vl", max_context=256, image_min_pixels=1024, image_max_pixels=16384))
+    limits = ImageLimits()
+
+    def fresh(outputs):
+        engine.reset()
+        return Session(engine, discretiser=Discretiser(bins=255, token_offset=257),
+                       default_sampling=SamplingParams(temperature=1.0), emit=outputs.append, stream_chunk_tokens=4)
+
+    outputs = []
+    session = fresh(outputs)
+    cameras = [Observation(text="first view", images=[camera_msg(RGB[0], "bgr8", padding=2)]),
+               Observation(text="and now?", max_new_tokens=5, images=[camera_msg(RGB[1], "mono8"), camera_msg(RGB[0])])]
+    for camera in cameras:
+        gen = session.observe(observation_in(camera, limits))
+    while gen.step():
+        pass
+    live = engine.live_checksum(), engine.position
+    records = [Record("observation", 0, typestore().deserialize_cdr(serialize_message(c), TOPICS["observation"]))
+               for c in cameras]
+    records += [Record(*(lambda topic, msg: (topic, 1, msg))(*to_message(o, pixels=pixels))) for o in outputs
+                if isinstance(o, (EventOutput, TokenOutput))]
+    script = build_script(records)
+
+    replayed = []
+    session = fresh(replayed)
+    for call in script:
+        advance(session, call)
+        apply(session, call, limits)
+    while session.active is not None:
+        session.active.step()
+    assert (engine.live_checksum(), engine.position) == live
+    first = next(o for o in outputs if isinstance(o, EventOutput))
+    assert first.position_after - first.position_before > len(engine.tokenizer.encode("first view")) + 2  # the image's
+    messages = lambda outs: [to_message(o, pixels=pixels)[1] for o in outs if isinstance(o, EventOutput)]  # noqa: E731
+    assert [len(e.image_digests) for e in messages(outputs)] == [1, 2]
+    assert compare_topic("events", messages(outputs), messages(replayed)).identical
+    assert [o for o in replayed if isinstance(o, TokenOutput)] == [o for o in outputs if isinstance(o, TokenOutput)]
+
+
+def test_the_comparison_tells_events_of_other_images_apart():
+    def event(rgb, pixels=True):
+        observation = observation_in(Observation(text="look", images=[camera_msg(rgb)]))
+        return to_message(EventOutput(1, "observe", observation=observation, position_after=9), pixels=pixels)[1]
+
+    other = RGB[0].copy()
+    other[0, 0, 0] ^= 1
+    assert compare_topic("events", [event(RGB[0])], [event(RGB[0].copy())]).identical
+    differs = compare_topic("events", [event(RGB[0])], [event(other)])
+    assert differs.first.fields == ["observation", "image_digests"]
+    assert compare_topic("events", [event(RGB[0], False)], [event(other, False)]).first.fields == ["image_digests"]
