@@ -168,3 +168,23 @@ def test_an_observation_with_an_unreadable_image_is_refused_with_the_rest_of_it(
     assert (obs.text, obs.token_ids, obs.max_new_tokens, obs.snapshot_label, obs.stamp_ns) == (
         "look", [1, 2], 4, "s", 7_000_000_000)
     assert obs.images == []
+
+
+def test_the_image_parameters_reach_the_engine_config_and_the_limits():
+    from flashrt_ros.bag.replay import settings_from
+
+    settings = settings_from({"vision_tower": False, "image.min_pixels": 1024, "image.max_pixels": 4096,
+                              "image.max_raw_bytes": 77, "image.max_observation_pixels": 88,
+                              "image.record_pixels": False})
+    engine = settings.engine
+    assert (engine.vision_tower, engine.image_min_pixels, engine.image_max_pixels) == (False, 1024, 4096)
+    assert settings.image_limits == {"max_raw_bytes": 77, "max_observation_pixels": 88}
+    assert settings.record_pixels is False
+
+
+def test_a_min_pixels_above_max_pixels_is_refused_naming_both():
+    from flashrt_ros.bag.bagfile import BagError
+    from flashrt_ros.bag.replay import settings_from
+
+    with pytest.raises(BagError, match="image.min_pixels=5000 is above image.max_pixels=4096"):
+        settings_from({"image.min_pixels": 5000, "image.max_pixels": 4096})

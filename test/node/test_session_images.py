@@ -3,7 +3,7 @@ Session.refuse_observation) on a real tiny engine: refused with INVALID_ARGUMENT
 error chunk of a generating one, nothing else moved (live state, capsules, a running generation), and replayed
 from the bag exactly."""
 import pytest
-from image_helpers import BAD_IMAGES, MAX_RAW_BYTES
+from image_helpers import BAD_IMAGES, MAX_RAW_BYTES, camera_msg, rgb_pixels
 from sensor_msgs.msg import Image as ImageMsg
 
 from flashrt_ros.bag.bagfile import Record
@@ -144,3 +144,19 @@ def test_a_session_with_refused_images_replays_from_its_events_exactly(engine):
     strip = lambda outs: [{**vars(o), "latency_ms": 0} for o in outs if isinstance(o, EventOutput)]  # noqa: E731
     assert strip(replayed) == strip(outputs)
     assert [o for o in replayed if isinstance(o, TokenOutput)] == [o for o in outputs if isinstance(o, TokenOutput)]
+
+
+def test_images_on_an_engine_without_its_tower_loaded_are_refused_and_nothing_moves():
+    """Needs the engine side of #32 (V2): ``vision_tower`` false builds no tower, and an image is refused before
+    anything changes."""
+    engine = Engine(EngineConfig(model="tiny-vl", max_context=256, vision_tower=False))
+    outputs = []
+    session = fresh(engine, outputs)
+    session.observe(ObservationInput(text="a table", stamp_ns=1))
+    before = state(engine)
+    camera = Observation(text="and this?", max_new_tokens=3, images=[camera_msg(rgb_pixels(32, 32))])
+    with pytest.raises(FlashRTError) as err:
+        offer(session, camera)
+    assert err.value.code == ErrorCode.INVALID_ARGUMENT and state(engine) == before
+    assert [(o.op, o.error_code) for o in outputs if isinstance(o, EventOutput)][-1] == (
+        "observe", ErrorCode.INVALID_ARGUMENT)
