@@ -534,14 +534,6 @@ class Session:
         return self._operation("observation_dropped", Done, {"observation": observation, "message": message},
                                needs_active=False)
 
-    def observation_lost(self, count: int) -> Done:
-        """Record that ``count`` observations never reached the engine (an 'observation_lost' event)."""
-        def run():
-            fields["message"] = f"{count} observation(s) lost before reaching the engine"
-            return Done()
-        fields = {"count": count}
-        return self._operation("observation_lost", run, fields, needs_active=False)
-
     def refuse_observation(self, observation: ObservationInput, message: str) -> Done:
         """Refuse an observation the node could not convert (an image it cannot read, see ``image_convert``):
         always raises FlashRTError (INVALID_ARGUMENT with ``message``) after one failed 'observation_refused' event
@@ -555,6 +547,14 @@ class Session:
         finally:
             if generating:
                 self._refuse_generation(observation.stamp_ns)
+
+    def observation_lost(self, count: int) -> Done:
+        """Record that ``count`` observations never reached the engine (an 'observation_lost' event)."""
+        def run():
+            fields["message"] = f"{count} observation(s) lost before reaching the engine"
+            return Done()
+        fields = {"count": count}
+        return self._operation("observation_lost", run, fields, needs_active=False)
 
     def _tokenise(self, obs: ObservationInput) -> list[int]:
         ids = list(obs.token_ids)
