@@ -39,7 +39,7 @@ from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import Node, State, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
-from flashrt_ros import ros_convert as conv
+from flashrt_ros import image_convert, ros_convert as conv
 from flashrt_ros.action import Generate
 from flashrt_ros.endpoints import REQUEST_QOS, diagnostics_name, typed_topic
 from flashrt_ros.engine_worker import EngineWorker
@@ -73,6 +73,7 @@ class FlashRTNode(Node):
         self._group = ReentrantCallbackGroup()
         self._observation_group = MutuallyExclusiveCallbackGroup()
         self._settings: Optional[NodeSettings] = None
+        self._image_limits = image_convert.ImageLimits()  # the image.* parameters on the engine, set at configure
         self._worker: Optional[EngineWorker] = None
         self._active = False
         self._goal_feedback: dict[int, queue.SimpleQueue] = {}  # request id -> chunks for its action goal
@@ -137,13 +138,14 @@ class FlashRTNode(Node):
         try:
             settings = read_settings(self)
             engine = Engine(settings.engine)
+            image_limits = image_convert.limits_for(engine, **settings.image_limits)
             session = Session(engine, discretiser=settings.discretiser, default_sampling=settings.sampling,
                               emit=self._emit, stream_chunk_tokens=settings.stream_chunk_tokens, active=False)
         except Exception as e:  # noqa: BLE001 - any load failure leaves the node unconfigured, retryable
             self._last_error = f"configure: {e}"
             self.get_logger().error(f"configure failed: {e}")
             return TransitionCallbackReturn.FAILURE
-        self._settings = settings
+        self._settings, self._image_limits = settings, image_limits
         self._worker = EngineWorker(session)
         self._ingest = ObservationIngest(self._worker, ObservationQueue(**settings.observation_queue),
                                          warn=self.get_logger().warning)
@@ -239,7 +241,7 @@ class FlashRTNode(Node):
         elif isinstance(out, EventOutput):
             if not out.success:
                 self._last_error = f"{out.op}: {out.message}"
-            self._events_pub.publish(conv.state_event(out, stamp))
+            self._events_pub.publish(conv.state_event(out, stamp, self._settings.record_pixels))
 
     def _typed_publisher(self, type_name: str, msg_type):
         """One publisher per message type a goal's ``output_type`` asked for: a controller subscribes to the
@@ -316,7 +318,12 @@ class FlashRTNode(Node):
         if worker is None or ingest is None:  # no engine, so no session to refuse it with an event
             self._report_loss(1, "dropped: the node is not configured")
             return
-        future = ingest.offer(conv.observation_in(msg))  # queued; coalesced at the next step boundary
+        try:
+            observation = conv.observation_in(msg, self._image_limits)
+        except conv.RefusedObservation as refused:  # an image it cannot read: refused with an event, as the Session does
+            future = worker.submit(lambda s, r=refused: s.refuse_observation(r.observation, r.message))
+        else:
+            future = ingest.offer(observation)  # queued; coalesced at the next step boundary
         if future is not None:
             future.add_done_callback(self._log_refusal)
 
@@ -355,13 +362,19 @@ class FlashRTNode(Node):
     def _run_goal(self, goal_handle):
         goal = goal_handle.request
         result = Generate.Result()
-        kwargs = conv.session_kwargs(OPERATIONS["generate"], goal)
+        try:
+            kwargs = conv.session_kwargs(OPERATIONS["generate"], goal, self._image_limits)
+        except conv.RefusedObservation as refused:  # an image it cannot read: refused with an event, as the Session does
+            kwargs = {"observation": refused.observation}
+            begin = lambda session, r=refused: session.refuse_observation(r.observation, r.message)  # noqa: E731
+        else:
+            begin = lambda session: session.generate(**kwargs)  # noqa: E731
         feedback: queue.SimpleQueue = queue.SimpleQueue()
 
         def start(session):
             if goal_handle.is_cancel_requested:  # canceled while it waited for the engine: never start it
                 raise FlashRTError(ErrorCode.CANCELED, "goal canceled before it started")
-            gen = session.generate(**kwargs)
+            gen = begin(session)
             self._goal_feedback[gen.request_id] = feedback  # before the first step, so no chunk is missed
             return gen
 

@@ -123,6 +123,8 @@ OPERATIONS: dict = {o.op: o for o in (
     # the node's observation queue dropped or refused this observation (overload policy; the event carries it)
     Operation("observation_dropped", "topic", "observation", "", "observation_dropped",
               ("observation", "message")),
+    # the node could not convert this observation (an image it cannot read); the event carries the rest of it
+    Operation("observation_refused", "topic", "observation", "", "refuse_observation", ("observation", "message")),
     # emitted inside another operation (never re-issued): the interrupted stream's capsule, and the capsule
     # an observation's ``snapshot_label`` asks for (a 'snapshot' event right after its 'observe')
     Operation("preempt", "consequence", "", "", ""),

@@ -55,6 +55,20 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
      (0, 1 << 22), None),
     ("max_capsules", 1024, "capsules stored at once on every tier; past it a snapshot, fork or import answers "
      "BUDGET_EXCEEDED", (1, 1 << 20), None),
+    ("vision_tower", True, "build and load the model's vision tower when its config has one (false: its weights stay "
+     "on disk and observations with images are refused, INVALID_ARGUMENT)", None, None),
+    ("image.min_pixels", 65536, "an image with fewer pixels is enlarged to about this many before the vision tower "
+     "(Qwen's smart resize: sides multiples of patch_size x spatial_merge_size)", (1, _INT_MAX), None),
+    ("image.max_pixels", 1048576, "an image with more pixels is shrunk to at most this many before the vision tower: "
+     "bounds its work and the tokens per image (about max_pixels / 1024 with 16-pixel patches merged 2x2)",
+     (1, _INT_MAX), None),
+    ("image.max_observation_pixels", 4194304, "pixels all images of one observation may take once resized; past it "
+     "the observation is refused (INVALID_ARGUMENT)", (1, _INT_MAX), None),
+    ("image.max_raw_bytes", 33554432, "largest sensor_msgs/Image data accepted, bytes (larger: INVALID_ARGUMENT, "
+     "before any pixel is copied)", (1, _INT_MAX), None),
+    ("image.record_pixels", True, "~/events carry each ingested image's pixels (rgb8, 3 bytes per pixel), so a bag "
+     "replays on its own; false: only their sha256 (image_digests), and a replay takes the pixels from the bag's "
+     "~/observation", None, None),
     ("speculative_tokens", 0, "MTP drafts verified per decode step (0 = off; needs the model's MTP head); > 0 runs "
      "5-row steps whose capsules do not move to an engine with 0 (another decode plan)", (0, MAX_SPECULATIVE_TOKENS), None),
     ("draft_vocab", 0, "MTP drafts pick among the first draft_vocab token ids (0 = all): a smaller head read per draft, "
@@ -79,8 +93,8 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
      ("volatile", "transient_local")),
     ("request_timeout_s", 10.0, "how long a service waits for the engine thread (then TIMEOUT)", (0.01, 3600.0), None),
     ("diagnostics_period_s", 1.0, "period of /diagnostics messages", (0.05, 3600.0), None),
-    ("observation_queue.max_bytes", 1 << 20, "bytes of observations (text + 4 per token id and value) the node "
-     "queues while the engine is busy; nothing is dropped below it", (1, 1 << 30), None),
+    ("observation_queue.max_bytes", 1 << 25, "bytes of observations (text + 4 per token id and value + 3 per image "
+     "pixel) the node queues while the engine is busy; nothing is dropped below it", (1, 1 << 30), None),
     ("observation_queue.overload", "drop_oldest", "past max_bytes: drop_oldest or refuse_new (each one an "
      "observation_dropped event, counted in /diagnostics) or block (drop nothing: stop taking from DDS)", None,
      OVERLOAD_POLICIES),
@@ -160,12 +174,16 @@ class NodeSettings:
     request_timeout_s: float
     diagnostics_period_s: float
     observation_queue: dict  # ObservationQueue's keyword arguments
+    image_limits: dict       # image_convert.ImageLimits' max_raw_bytes and max_observation_pixels
+    record_pixels: bool      # ~/events carry the images' pixels (else their digests only)
 
 
 def read_settings(node) -> NodeSettings:
     """Read the declared parameters; raises ValueError for values the ranges cannot express."""
     p = {name: node.get_parameter(name).value for name, *_ in PARAMETERS}
     _check_choices(p)
+    if p["image.min_pixels"] > p["image.max_pixels"]:
+        raise ValueError(f"image.min_pixels={p['image.min_pixels']} is above image.max_pixels={p['image.max_pixels']}")
     return NodeSettings(
         engine=EngineConfig(
             model=p["model"], device=p["device"], dtype=p["dtype"], max_context=p["max_context"],
@@ -175,7 +193,8 @@ def read_settings(node) -> NodeSettings:
             capsule_budget_fraction=p["capsule_budget_fraction"], capsule_dir=p["capsule_dir"],
             capsule_key_file=p["capsule_key_file"], capsule_evict_policy=p["capsule_evict_policy"],
             capsule_host_budget_bytes=p["capsule_host_budget_mb"] << 20, max_capsules=p["max_capsules"],
-            speculative_tokens=p["speculative_tokens"], draft_vocab=p["draft_vocab"]),
+            speculative_tokens=p["speculative_tokens"], draft_vocab=p["draft_vocab"], vision_tower=p["vision_tower"],
+            image_min_pixels=p["image.min_pixels"], image_max_pixels=p["image.max_pixels"]),
         discretiser=Discretiser(
             low=p["discretiser.low"], high=p["discretiser.high"], bins=p["discretiser.bins"],
             token_offset=p["discretiser.token_offset"], dims=p["discretiser.dims"],
@@ -193,4 +212,7 @@ def read_settings(node) -> NodeSettings:
         observation_queue={"max_bytes": p["observation_queue.max_bytes"],
                            "overload": p["observation_queue.overload"],
                            "max_group_bytes": p["observation_queue.max_group_bytes"]},
+        image_limits={"max_raw_bytes": p["image.max_raw_bytes"],
+                      "max_observation_pixels": p["image.max_observation_pixels"]},
+        record_pixels=p["image.record_pixels"],
     )

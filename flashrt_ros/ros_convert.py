@@ -3,9 +3,13 @@ import dataclasses
 import math
 
 from builtin_interfaces.msg import Time
+from sensor_msgs.msg import Image as ImageMsg
 
+from flashrt_ros import image_convert
 from flashrt_ros.msg import ActionChunk, CapsuleInfo, Observation, StateEvent, TokenChunk
 from flashrt_ros.operations import Operation
+from flashrt_ros.runtime.errors import FlashRTError
+from flashrt_ros.runtime.vision.preprocess import Image
 from flashrt_ros.session import ActionOutput, EventOutput, ObservationInput, TokenOutput
 
 
@@ -36,18 +40,35 @@ def seconds_to_time(seconds: float) -> Time:
     return ns_to_time(int(bounded * _NS_PER_S))
 
 
-def observation_in(msg: Observation) -> ObservationInput:
-    return ObservationInput(text=msg.text, token_ids=[int(t) for t in msg.token_ids],
-                            values=[float(v) for v in msg.values], max_new_tokens=msg.max_new_tokens,
-                            priority=msg.priority, snapshot_label=msg.snapshot_label,
-                            stamp_ns=time_to_ns(msg.header.stamp))
+class RefusedObservation(FlashRTError):
+    """An observation whose images the node cannot convert: ``observation`` holds the rest of it (no images), for
+    :meth:`flashrt_ros.session.Session.refuse_observation`."""
+
+    def __init__(self, observation: ObservationInput, error: FlashRTError):
+        super().__init__(error.code, error.message)
+        self.observation = observation
 
 
-def session_kwargs(op: Operation, request) -> dict:
+def observation_in(msg: Observation, limits: image_convert.ImageLimits = image_convert.ImageLimits()
+                   ) -> ObservationInput:
+    """The observation of a message (an rclpy one, or a rosbags one from a bag); its images converted under
+    ``limits``, else :class:`RefusedObservation`."""
+    obs = ObservationInput(text=msg.text, token_ids=[int(t) for t in msg.token_ids],
+                           values=[float(v) for v in msg.values], max_new_tokens=msg.max_new_tokens,
+                           priority=msg.priority, snapshot_label=msg.snapshot_label,
+                           stamp_ns=time_to_ns(msg.header.stamp))
+    try:
+        obs.images = [Image(rgb=rgb) for rgb in limits.convert(msg.images)]
+    except FlashRTError as error:
+        raise RefusedObservation(obs, error) from None
+    return obs
+
+
+def session_kwargs(op: Operation, request, limits: image_convert.ImageLimits = image_convert.ImageLimits()) -> dict:
     """The Session method's keyword arguments for ``op`` from a request, goal or recorded StateEvent (the
-    same field names in all three; the observation becomes an ObservationInput)."""
-    return {name: observation_in(getattr(request, name)) if name == "observation" else plain(getattr(request, name))
-            for name in op.fields}
+    same field names in all three; the observation becomes an ObservationInput, its images read under ``limits``)."""
+    return {name: observation_in(getattr(request, name), limits) if name == "observation"
+            else plain(getattr(request, name)) for name in op.fields}
 
 
 def plain(value):
@@ -76,17 +97,22 @@ def action_chunk(out: ActionOutput, stamp: Time) -> ActionChunk:
     return msg
 
 
-def observation_msg(obs: ObservationInput) -> Observation:
+def observation_msg(obs: ObservationInput, pixels: bool = True) -> Observation:
+    """The message of an observation; its images as rgb8 (``data`` left empty unless ``pixels``)."""
     msg = Observation(text=obs.text, token_ids=list(obs.token_ids), values=list(obs.values),
-                      max_new_tokens=obs.max_new_tokens, priority=obs.priority, snapshot_label=obs.snapshot_label)
+                      max_new_tokens=obs.max_new_tokens, priority=obs.priority, snapshot_label=obs.snapshot_label,
+                      images=[ImageMsg(**image_convert.rgb8_fields(image.rgb, pixels)) for image in obs.images])
     msg.header.stamp = ns_to_time(obs.stamp_ns)
     return msg
 
 
-def state_event(out: EventOutput, stamp: Time) -> StateEvent:
+def state_event(out: EventOutput, stamp: Time, pixels: bool = True) -> StateEvent:
+    """The event's message; an observation's images with their digests, and their pixels only if ``pixels``
+    (the node parameter ``image.record_pixels``)."""
     fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
     obs = fields.pop("observation")
-    msg = StateEvent(**fields, observation=observation_msg(obs) if obs is not None else Observation())
+    msg = StateEvent(**fields, observation=observation_msg(obs, pixels) if obs is not None else Observation(),
+                     image_digests=[image_convert.digest(image.rgb) for image in obs.images] if obs else [])
     msg.error_code = int(out.error_code)
     msg.header.stamp = stamp
     return msg

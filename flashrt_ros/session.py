@@ -539,6 +539,20 @@ class Session:
         return self._operation("observation_dropped", Done, {"observation": observation, "message": message},
                                needs_active=False)
 
+    def refuse_observation(self, observation: ObservationInput, message: str) -> Done:
+        """Refuse an observation the node could not convert (an image it cannot read, see ``image_convert``):
+        always raises FlashRTError (INVALID_ARGUMENT with ``message``) after one failed 'observation_refused' event
+        carrying what of it converted, and for a generating one its final ``error`` chunk, as a refusal here does.
+        Nothing else changes."""
+        generating = observation.max_new_tokens > 0
+        fields = {"observation": observation, "message": message,
+                  "request_id": self._request_id + 1 if generating else 0}
+        try:
+            return self._operation("observation_refused", _raise(ErrorCode.INVALID_ARGUMENT, message), fields)
+        finally:
+            if generating:
+                self._refuse_generation(observation.stamp_ns)
+
     def observation_lost(self, count: int) -> Done:
         """Record that ``count`` observations never reached the engine (an 'observation_lost' event)."""
         def run():

@@ -29,13 +29,16 @@ STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 _KEY = PACKAGE + "."  # prefix of our keys in custom_data
 # 2: every operation's StateEvent carries its request (observation, sampling, ids), the running request and its
 # boundary, so goals, cancels and lifecycle transitions replay. 3: StateEvent gained `tier` and `wait` (spill, fetch)
-# in the middle of the message, so a format-2 event would deserialize misaligned. Older bags are refused, with why.
-BAG_FORMAT = 3
+# in the middle of the message, so a format-2 event would deserialize misaligned. 4: Observation gained `images`
+# (sensor_msgs/Image[]) and StateEvent `image_digests`. Older bags are refused, with why.
+BAG_FORMAT = 4
 _OLDER_FORMATS = {
     "1": "its StateEvents lack the request fields (observations, sampling, running request) that replay re-issues, "
          "and its ~/generate goals, cancels and lifecycle transitions were not recorded",
     "2": "its StateEvents were recorded before the `tier` and `wait` fields (capsule spill and fetch) and cannot be "
          "read with this StateEvent definition",
+    "3": "its Observations and StateEvents were recorded before the `images` and `image_digests` fields (camera "
+         "observations) and cannot be read with these definitions",
 }
 
 

@@ -22,11 +22,16 @@ def comparable(msg) -> dict:
     for name in field_names(msg.__msgtype__):
         if name in _TIMING_FIELDS:
             continue
-        value = getattr(msg, name)
-        if hasattr(value, "__msgtype__"):  # a nested message (a StateEvent's observation)
-            value = comparable(value)
-        out[name] = value.tolist() if isinstance(value, np.ndarray) else value
+        out[name] = _plain(getattr(msg, name))
     return out
+
+
+def _plain(value):
+    if hasattr(value, "__msgtype__"):  # a nested message (a StateEvent's observation)
+        return comparable(value)
+    if isinstance(value, list):        # nested messages (an observation's images)
+        return [_plain(item) for item in value]
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def _differs(topic: str, recorded: dict, replayed: dict, tolerance: float) -> list[str]:

@@ -8,7 +8,7 @@ every Session output is turned into the message the node would publish, for comp
 from rclpy.parameter import Parameter
 from rclpy.serialization import serialize_message
 
-from flashrt_ros import ros_convert as conv
+from flashrt_ros import image_convert, ros_convert as conv
 from flashrt_ros.bag.bagfile import TOPICS, BagError, BagHeader
 from flashrt_ros.bag.script import Call
 from flashrt_ros.bag.typestore import typestore
@@ -55,22 +55,25 @@ def check_fingerprint(recorded: str, replayed: str, allow_model_change: bool) ->
     return [text + " (--allow-model-change)"]
 
 
-def to_message(output, stamp_ns: int = 0) -> tuple[str, object]:
+def to_message(output, stamp_ns: int = 0, pixels: bool = True) -> tuple[str, object]:
     """(short topic, rosbags message) of what the node publishes for a Session output: built by the
-    node's own conversion and serialised by rclpy, so it is the node's message byte for byte."""
+    node's own conversion and serialised by rclpy, so it is the node's message byte for byte (an event's images
+    with their pixels only if ``pixels``, the node's ``image.record_pixels``)."""
     topic, convert = _CONVERSIONS[type(output)]
-    cdr = serialize_message(convert(output, conv.ns_to_time(stamp_ns)))
+    stamp = conv.ns_to_time(stamp_ns)
+    cdr = serialize_message(convert(output, stamp, pixels) if topic == "events" else convert(output, stamp))
     return topic, typestore().deserialize_cdr(cdr, TOPICS[topic])
 
 
-def apply(session: Session, call: Call) -> None:
-    """Issue one recorded call, with the recorded request; a refusal is part of the recording (its event says so).
-    Observations that shared one prefill are ingested as one prefill again."""
+def apply(session: Session, call: Call, limits: image_convert.ImageLimits = image_convert.ImageLimits()) -> None:
+    """Issue one recorded call, with the recorded request (its images read under the node's ``limits``); a refusal
+    is part of the recording (its event says so). Observations that shared one prefill are ingested as one
+    prefill again."""
     try:
         if call.also:
-            session.observe_group([conv.observation_in(o) for o in call.observations])
+            session.observe_group([conv.observation_in(o, limits) for o in call.observations])
         else:
-            getattr(session, call.operation.method)(**conv.session_kwargs(call.operation, call.event))
+            getattr(session, call.operation.method)(**conv.session_kwargs(call.operation, call.event, limits))
     except FlashRTError:
         pass
 
@@ -90,19 +93,20 @@ def replay_offline(header: BagHeader, script: list[Call], *, allow_model_change:
     settings = settings_from(header.parameters)
     engine = _engine(settings)
     notes = check_fingerprint(header.fingerprint, engine.fingerprint, allow_model_change)
+    limits = image_convert.limits_for(engine, **settings.image_limits)
     outputs = {topic: [] for topic, _ in _CONVERSIONS.values()}
 
     def emit(output):
         if type(output) not in _CONVERSIONS:      # a TypedOutput: its text is on ~/tokens, which the bag holds
             return
-        topic, msg = to_message(output)
+        topic, msg = to_message(output, pixels=settings.record_pixels)
         outputs[topic].append(msg)
 
     session = Session(engine, discretiser=settings.discretiser, default_sampling=settings.sampling,
                       emit=emit, stream_chunk_tokens=settings.stream_chunk_tokens)
     for call in script:
         advance(session, call)
-        apply(session, call)
+        apply(session, call, limits)
     while session.active is not None:
         session.active.step()
     return outputs, notes

@@ -16,10 +16,14 @@ ran: replays let the previous one finish first.
 Observations the node queued while its engine was busy were ingested together as one prefill, each with its
 own 'observe' event whose ``count`` says how many observations after it share that prefill: such a group is
 one call (its first event, and the others in ``also``), which the replay ingests as one prefill again.
+
+The calls' events are copies whose observation images hold their pixels (from the bag's ``~/observation`` when the
+events recorded digests only); the bag's own records stay as recorded, for the comparison.
 """
 from dataclasses import dataclass, replace
 
 from flashrt_ros.bag.bagfile import BagError, Record
+from flashrt_ros.bag.images import ImageSource
 from flashrt_ros.operations import OPERATIONS
 
 _OBSERVING = {"observe", "generate"}
@@ -62,9 +66,12 @@ class Call:
 
 
 def build_script(records: list[Record]) -> list[Call]:
-    """The replayable calls of a recorded session; BagError if the bag cannot be replayed."""
+    """The replayable calls of a recorded session, their observations' images with pixels (see
+    :mod:`flashrt_ros.bag.images`); BagError if the bag cannot be replayed."""
     events = sorted((r.msg for r in records if r.topic == "events"), key=lambda e: e.seq)
     _check_complete(events)
+    images = ImageSource(records)
+    events = [images.fill(event) for event in events]
     script: list[Call] = []
     first = None  # seq of a consequence emitted ahead of the call that caused it
     for event in events:

@@ -31,7 +31,7 @@ def observation(text="hi", max_new_tokens=2, stamp_ns=5, priority=0):
     return types[TOPICS["observation"]](
         header=types["std_msgs/msg/Header"](stamp=stamp, frame_id=""), text=text,
         token_ids=np.array([1, 2], np.int32), values=np.array([0.5], np.float32),
-        max_new_tokens=max_new_tokens, priority=priority, snapshot_label="")
+        max_new_tokens=max_new_tokens, priority=priority, snapshot_label="", images=[])
 
 
 def event(seq, op="observe", before=0, after=3, **fields):
@@ -84,7 +84,7 @@ def test_a_bag_without_a_flashrt_header_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("recorded,why", [("1", "lack the request fields"), ("2", "`tier` and `wait`"),
-                                          ("99", "the only one")])
+                                          ("3", "`images` and `image_digests`"), ("99", "the only one")])
 def test_a_bag_of_another_format_is_refused_with_the_reason(recorded, why):
     data = HEADER.to_custom_data()
     assert BagHeader.from_custom_data(data) == HEADER
