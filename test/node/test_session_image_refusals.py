@@ -147,8 +147,7 @@ def test_a_session_with_refused_images_replays_from_its_events_exactly(engine):
 
 
 def test_images_on_an_engine_without_its_tower_loaded_are_refused_and_nothing_moves():
-    """Needs the engine side of #32 (V2): ``vision_tower`` false builds no tower, and an image is refused before
-    anything changes."""
+    """``vision_tower`` false builds no tower: a readable image is refused by the engine, before anything changes."""
     engine = Engine(EngineConfig(model="tiny-vl", max_context=256, vision_tower=False))
     outputs = []
     session = fresh(engine, outputs)
@@ -156,7 +155,8 @@ def test_images_on_an_engine_without_its_tower_loaded_are_refused_and_nothing_mo
     before = state(engine)
     camera = Observation(text="and this?", max_new_tokens=3, images=[camera_msg(rgb_pixels(32, 32))])
     with pytest.raises(FlashRTError) as err:
-        offer(session, camera)
+        offer(session, camera, limits=ImageLimits())      # readable: the engine refuses it, not the node
+    assert "vision_tower off" in err.value.message
     assert err.value.code == ErrorCode.INVALID_ARGUMENT and state(engine) == before
     assert [(o.op, o.error_code) for o in outputs if isinstance(o, EventOutput)][-1] == (
         "observe", ErrorCode.INVALID_ARGUMENT)
