@@ -15,7 +15,7 @@ from flashrt_ros.runtime.engine import _DTYPES, Engine, EngineConfig
 from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
 from flashrt_ros.runtime.sampler import SamplingParams
 
-from . import bench_capsules, bench_constraint, bench_quant, bench_spec, plan
+from . import bench_capsules, bench_constraint, bench_quant, bench_spec, plan, provenance
 from .bench import bench_context, cold_prefill_profile, markdown_table
 from .verify import verify
 
@@ -68,15 +68,17 @@ def cmd_generate(args) -> dict:
 def cmd_verify(args) -> dict:
     needed = args.prefix_len + 2 * (args.suffix_len + args.gen) + 64
     engine = Engine(_config(args, needed, 64, 1024))
-    return verify(engine, args.prefix_len, args.suffix_len, args.gen, kv_only=args.kv_only)
+    return provenance.stamp(verify(engine, args.prefix_len, args.suffix_len, args.gen, kv_only=args.kv_only),
+                            args.device)
 
 
 def _report(result: dict, table: str, out: str | None) -> dict:
-    """A benchmark's table on stderr, its JSON to ``out`` too when given (stdout gets it from main)."""
+    """A benchmark's table on stderr, its JSON (with its provenance) to ``out`` too when given (stdout gets it from
+    main)."""
     print(table, file=sys.stderr)
+    provenance.stamp(result, result["device"])
     if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=2)
+        provenance.write_result(out, result, result["device"])
     return result
 
 
