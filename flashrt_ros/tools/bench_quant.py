@@ -26,6 +26,7 @@ from flashrt_ros.runtime.engine import Engine, EngineConfig
 from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
 from flashrt_ros.runtime.model import Qwen35
 
+from . import floors, ttft
 from .timing import sync, timed
 from .verify import first_divergence, prompt_tokens
 
@@ -57,16 +58,6 @@ def projected_bytes_per_token(cfg: ModelConfig, fmt: str, exclude: tuple[str, ..
         total += quant.weight_bytes("dense" if kept else fmt, *module.weight.shape, dense_element_size)
     head_fmt = "dense" if fmt == "dense" or quant.is_excluded(quant.LM_HEAD, exclude) else fmt
     return total + quant.weight_bytes(head_fmt, cfg.vocab_size, cfg.hidden_size, dense_element_size)
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a large device copy (bytes read + written): the floor every weight read is held to."""
-    nbytes = (1 << 30) if device.type == "cuda" else (1 << 27)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(timed(device, lambda: dst.copy_(src))[1] for _ in range(5))
-    return 2 * nbytes / (best / 1000.0)
 
 
 def _time_calls_us(device: torch.device, fn, repeats: int) -> float:
@@ -193,11 +184,8 @@ def _format_row(engine: Engine, cfg: QuantBenchConfig, bandwidth: float, prompt:
     device = engine.device
     prefill = prompt_tokens(engine.vocab_size, cfg.prefill_tokens, "quant-prefill")
 
-    def cold():
-        engine.reset()
-        engine.ingest(prefill)
-        return engine.peek_token()
-    ttft = [timed(device, cold)[1] for _ in range(cfg.repeats)]
+    cold = ttft.cold_ttft(engine, prefill, cfg.repeats)
+    del cold["cold_first_token"]
     engine.reset()
     engine.ingest(prompt)
     list(engine.generate(2, stop_token_ids=()))
@@ -207,14 +195,14 @@ def _format_row(engine: Engine, cfg: QuantBenchConfig, bandwidth: float, prompt:
     floor_ms = 1000.0 * nbytes / bandwidth
     return {"format": engine.weights_format, "weight_bytes_per_token": nbytes, "decode_ms_per_token": decode_ms,
             "floor_ms": floor_ms, "decode_over_floor": decode_ms / floor_ms,
-            "prefill_tokens": cfg.prefill_tokens, "cold_ttft_ms": statistics.median(ttft)}
+            "prefill_tokens": cfg.prefill_tokens, **cold}
 
 
 def run(cfg: QuantBenchConfig) -> dict:
     """Every format of ``cfg.formats`` (``dense`` first: the others are compared with it), one engine at a time."""
     formats = ("dense",) + tuple(f for f in cfg.formats if f != "dense")
     device = torch.device(cfg.engine.device)
-    bandwidth = copy_bandwidth(device)
+    bandwidth = floors.copy_bandwidth_bytes_per_s(device)
     rows, platform_info, gemvs = [], {}, []
     # from the dense engine: the prompt, its greedy tokens, the forced tokens, its logits and cross-entropies
     prompt = ref_free = forced = ref_logits = ref_nll = None

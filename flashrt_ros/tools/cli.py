@@ -15,7 +15,7 @@ from flashrt_ros.runtime.engine import _DTYPES, Engine, EngineConfig
 from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
 from flashrt_ros.runtime.sampler import SamplingParams
 
-from . import bench_capsules, bench_constraint, bench_quant, bench_spec, plan, provenance
+from . import bench_capsules, bench_constraint, bench_quant, bench_spec, plan, provenance, ttft
 from .bench import bench_context, cold_prefill_profile, markdown_table
 from .verify import verify
 
@@ -87,7 +87,7 @@ def cmd_bench(args) -> dict:
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "--compare-hf runs transformers on the dense weights: use "
                                                        "--weights-format dense (bench-quant compares the formats)")
     contexts = [int(c) for c in args.contexts.split(",")]
-    engine = Engine(_config(args, max(contexts) + 24 + args.decode_tokens + 8, 16384,
+    engine = Engine(_config(args, max(contexts) + 24 + args.decode_tokens + 8, ttft.BENCH_PREFILL_CHUNK,
                             8192, checksum=False))
     rows = [bench_context(engine, c, args.repeats, args.decode_tokens, args.compare_hf) for c in contexts]
     result = {"model": args.model, "device": args.device, "dtype": args.dtype, "kernels": engine.kernel_name,
@@ -102,7 +102,7 @@ def cmd_bench(args) -> dict:
 
 def cmd_bench_quant(args) -> dict:
     cfg = bench_quant.QuantBenchConfig(
-        engine=_config(args, 1, 256, 0, checksum=False), formats=tuple(args.formats.split(",")),
+        engine=_config(args, 1, ttft.BENCH_PREFILL_CHUNK, 0, checksum=False), formats=tuple(args.formats.split(",")),
         context=args.context, decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens,
         fidelity_tokens=args.fidelity_tokens, fidelity_text=args.fidelity_text, repeats=args.repeats)
     result = bench_quant.run(cfg)
