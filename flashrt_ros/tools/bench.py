@@ -207,13 +207,14 @@ COLUMNS = [("context", "{}"), ("capsule_bytes", "{:,}"), ("snapshot_p50_ms", "{:
            ("restore_p50_ms", "{:.3f}"), ("restore_p99_ms", "{:.3f}"), ("copy_floor_p50_ms", "{:.3f}"),
            ("restore_over_floor", "{:.2f}"), ("delta_snapshot_p50_ms", "{:.3f}"), ("lineage_restore_p50_ms", "{:.3f}"),
            ("fork_p50_ms", "{:.3f}"), ("rollback_step_p50_ms", "{:.3f}"), ("rollback_capsule_p50_ms", "{:.3f}"),
-           ("checksum_p50_ms", "{:.3f}"), ("cold_ttft_ms", "{:.2f}"), ("capsule_ttft_ms", "{:.2f}"),
+           ("checksum_p50_ms", "{:.3f}"), ("cold_ttft_ms", "{:.2f}"), ("prefill_chunk", "{}"),
+           ("capsule_ttft_ms", "{:.2f}"),
            ("capsule_ttft_restore_ms", "{:.3f}"), ("capsule_ttft_suffix_prefill_ms", "{:.3f}"),
            ("capsule_ttft_first_token_ms", "{:.3f}"), ("capsule_ttft_host_overhead_ms", "{:.3f}"),
            ("ttft_speedup", "{:.1f}x"), ("decode_ms_per_token", "{:.2f}"), ("decode_floor_ms", "{:.3f}"),
            ("decode_over_floor", "{:.2f}"), ("gemv_graph_ms", "{:.3f}"), ("decode_over_gemv_graph", "{:.2f}"),
-           ("hf_cold_ttft_ms", "{:.2f}"),
-           ("hf_decode_step_ms", "{:.2f}")]
+           ("hf_cold_ttft_ms", "{:.2f}"), ("cold_ttft_over_hf", "{:.2f}"), ("hf_decode_step_ms", "{:.2f}"),
+           ("decode_speedup_vs_hf", "{:.2f}x")]
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -149,7 +149,12 @@ COLUMNS = ["context", "branches", "one_full_capsule_bytes", "full_copies_over_on
            "disk_fetch_over_floor", "export_gb_s", "import_gb_s"]
 
 
-def markdown(result: dict) -> str:
-    cols = [c for c in COLUMNS if c in result]
-    cells = [f"{result[c]:.3g}" if isinstance(result[c], float) else f"{result[c]:,}" for c in cols]
-    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), "| " + " | ".join(cells) + " |"])
+def markdown(*results: dict) -> str:
+    """One row per result (several runs, e.g. per context, in one table)."""
+    cols = [c for c in COLUMNS if any(c in r for r in results)]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for result in results:
+        cells = ["" if c not in result else f"{result[c]:.3g}" if isinstance(result[c], float) else f"{result[c]:,}"
+                 for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

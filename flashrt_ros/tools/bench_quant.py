@@ -267,6 +267,7 @@ def markdown(result: dict) -> str:
     formats = _table(result["formats"], [
         ("format", "{}"), ("weight_bytes_per_token", "{:,}"), ("decode_ms_per_token", "{:.3f}"), ("floor_ms", "{:.3f}"),
         ("decode_over_floor", "{:.2f}"), ("decode_speedup_vs_dense", "{:.2f}x"), ("cold_ttft_ms", "{:.2f}"),
+        ("prefill_tokens", "{}"), ("prefill_chunk", "{}"),
         ("logits_rel_l2_mean", "{:.4f}"), ("logits_max_abs_err", "{:.4f}"), ("greedy_agreement", "{:.3f}"),
         ("forced_nll", "{:.4f}"), ("perplexity_vs_dense", "{:.4f}"), ("nll_delta_stderr", "{:.4f}"),
         ("free_run_first_divergence", "{}")])
