@@ -49,8 +49,14 @@ def _bench(results: list[dict]) -> str:
 
 
 def _bench_quant(results: list[dict]) -> str:
-    from flashrt_ros.tools.bench_quant import markdown
-    return "\n\n".join(f"`{r['model']}`, {r['dtype']}:\n\n{markdown(r)}" for r in results)
+    from flashrt_ros.tools.bench_quant import formats_markdown
+    return "\n\n".join(f"`{r['model']}`, {r['dtype']}, kept dense: {', '.join(r.get('exclude') or []) or 'nothing'}:"
+                         f"\n\n{formats_markdown(r)}" for r in results)
+
+
+def _bench_quant_gemv(results: list[dict]) -> str:
+    from flashrt_ros.tools.bench_quant import gemv_markdown
+    return "\n\n".join(f"`{r['model']}`, {r['dtype']}:\n\n{gemv_markdown(r)}" for r in results)
 
 
 def _bench_capsules(results: list[dict]) -> str:
@@ -69,8 +75,8 @@ def _peer(results: list[dict]) -> str:
     return peer.table(peer.paired(ours, theirs))
 
 
-KINDS = {"bench": _bench, "bench-quant": _bench_quant, "bench-capsules": _bench_capsules, "load": _load,
-         "peer": _peer}
+KINDS = {"bench": _bench, "bench-quant": _bench_quant, "bench-quant-gemv": _bench_quant_gemv,
+         "bench-capsules": _bench_capsules, "load": _load, "peer": _peer}
 ALL_FILES_NEEDED = {"peer"}
 
 
@@ -80,8 +86,8 @@ def provenance_line(path: str, result: dict) -> str:
     if p is None:
         legacy = {k: result[k] for k in ("git_commit", "commit", "date", "device_name", "torch") if k in result}
         known = ", ".join(f"{k} {v}" for k, v in legacy.items()) or "nothing"
-        return (f"- `{path}`: no provenance block (written before issue 26; it records {known}; the folder name and "
-                f"the section's text give the commit and card)")
+        return (f"- `{path}`: no provenance block (written before issue 26; it records {known}; the section's text "
+                f"gives its commit, card and command)")
     commit = f"`{p['commit'][:10]}`" + (" (dirty tree)" if p.get("dirty") else "")
     device = p["device_name"] + (f", driver {p['driver']}, CUDA {p['cuda_runtime']}" if p.get("driver") or
                                  p.get("cuda_runtime") else "")

@@ -263,20 +263,28 @@ def _table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def markdown(result: dict) -> str:
-    formats = _table(result["formats"], [
+def formats_markdown(result: dict) -> str:
+    """The formats side by side: speed against the floor and dense, cold TTFT, fidelity against dense."""
+    return _table(result["formats"], [
         ("format", "{}"), ("weight_bytes_per_token", "{:,}"), ("decode_ms_per_token", "{:.3f}"), ("floor_ms", "{:.3f}"),
         ("decode_over_floor", "{:.2f}"), ("decode_speedup_vs_dense", "{:.2f}x"), ("cold_ttft_ms", "{:.2f}"),
         ("prefill_tokens", "{}"), ("prefill_chunk", "{}"),
         ("logits_rel_l2_mean", "{:.4f}"), ("logits_max_abs_err", "{:.4f}"), ("greedy_agreement", "{:.3f}"),
         ("forced_nll", "{:.4f}"), ("perplexity_vs_dense", "{:.4f}"), ("nll_delta_stderr", "{:.4f}"),
         ("free_run_first_divergence", "{}")])
-    gemv = _table(result["gemv"], [
+
+
+def gemv_markdown(result: dict) -> str:
+    """Each projection shape's GEMV per format against dense ``F.linear``: time, bandwidth, one layer's error."""
+    return _table(result["gemv"], [
         ("shape", "{}"), ("N", "{}"), ("K", "{}"), ("dense_us", "{:.2f}"), ("fp8_us", "{:.2f}"),
         ("nvfp4_us", "{:.2f}"), ("fp8_speedup", "{:.2f}x"), ("nvfp4_speedup", "{:.2f}x"), ("dense_GBps", "{:.0f}"),
         ("fp8_GBps", "{:.0f}"), ("nvfp4_GBps", "{:.0f}"), ("dense_rel_err", "{:.4f}"), ("fp8_rel_err", "{:.4f}"),
         ("nvfp4_rel_err", "{:.4f}")])
+
+
+def markdown(result: dict) -> str:
     thor = _table(result["thor_projection"], [
         ("preset", "{}"), ("format", "{}"), ("bytes_per_token", "{:,}"), ("projected_floor_ms", "{:.1f}"),
         ("projected_max_tokens_per_s", "{:.0f}")])
-    return f"{formats}\n\n{gemv}\n\nProjected for Jetson AGX Thor (273 GB/s; a projection, not a measurement):\n{thor}"
+    return f"{formats_markdown(result)}\n\n{gemv_markdown(result)}\n\nProjected for Jetson AGX Thor (273 GB/s; a projection, not a measurement):\n{thor}"
