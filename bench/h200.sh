@@ -10,21 +10,9 @@ if compgen -G '.whl/*.whl' > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# The commit the results are of: this machine's tree is a copy whose `git rev-parse` is stale, so the coordinator
-# writes it first (`git describe --always --dirty --abbrev=40 > bench/gpu_commit.txt`, untracked, not ignored: it
-# travels with the tree). Every result JSON records it (flashrt_ros/tools/provenance.py reads FLASHRT_GIT_COMMIT).
-if [ -z "${FLASHRT_GIT_COMMIT:-}" ]; then
-  if [ ! -s bench/gpu_commit.txt ]; then
-    echo "bench/h200.sh: no commit: run 'git describe --always --dirty --abbrev=40 > bench/gpu_commit.txt' first" >&2
-    exit 2
-  fi
-  FLASHRT_GIT_COMMIT=$(head -n 1 bench/gpu_commit.txt | tr -d '[:space:]')
-fi
-export FLASHRT_GIT_COMMIT
-# One run's results in one folder, <card>_<commit>: bench/results/<card>_<commit>/ once copied back.
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | sed 's/^NVIDIA //' | awk '{print tolower($1)}')
-dirty=; [ "${FLASHRT_GIT_COMMIT%-dirty}" != "$FLASHRT_GIT_COMMIT" ] && dirty=-dirty
-RUN=${card:-gpu}_${FLASHRT_GIT_COMMIT:0:7}$dirty
+# The commit the results are of (bench/gpu_commit.txt) and one folder for the run: bench/results/<card>_<commit>/
+# once copied back.
+. "$(dirname "${BASH_SOURCE[0]}")/run_folder.sh" || exit 2
 OUT=${OUT:-/tmp/out}/$RUN; mkdir -p "$OUT"; echo "results in $RUN/"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee -a "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
