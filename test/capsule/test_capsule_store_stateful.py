@@ -71,6 +71,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         # the fixed state's identity: one token per stored device copy; the live state's, while it is one of them
         self.fixed_tokens: dict[str, int] = {}
         self.live_fixed: int | None = None
+        self.last_capsule: str | None = None         # the capsule the live state was last loaded from or saved into
         self.new_token = itertools.count().__next__
 
     # ---- the model ---------------------------------------------------------------------------------------
@@ -144,6 +145,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         if self.allowed(lambda: self.engine.snapshot(capsule_id, label=label, pinned=data.draw(st.booleans()))):
             self.capsules[capsule_id] = self.live()
             self.fixed_tokens[capsule_id] = self.live_fixed = self.new_token()
+            self.last_capsule = capsule_id
 
     @precondition(lambda self: self.capsules and len(self.capsules) < len(IDS))
     @rule(data=st.data(), switch=st.booleans(), of_live=st.booleans())
@@ -154,6 +156,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         self.capsules[capsule_id] = self.live() if source is None else self.capsules[source].clone()
         if source is None:                           # a snapshot of the live state under another name
             self.fixed_tokens[capsule_id] = self.live_fixed = self.new_token()
+            self.last_capsule = capsule_id
         else:                                        # shares the source's blocks
             self.fixed_tokens[capsule_id] = self.fixed_tokens[source]
         if switch and source is not None:
@@ -172,6 +175,13 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         """A restore of the capsule the live state still is: nothing to write."""
         self.restore_id(next(c for c, t in self.fixed_tokens.items() if t == self.live_fixed))
 
+    @precondition(lambda self: self.last_capsule in self.capsules)
+    @rule()
+    def restore_the_last_capsule(self):
+        """A restore of the capsule last restored or snapshotted, whatever ran since (ingest, generate, reseed,
+        rollback...): it writes nothing only if nothing did."""
+        self.restore_id(self.last_capsule)
+
     def restore_id(self, capsule_id, kv_only=False):
         if not self.allowed(lambda: self.engine.restore(capsule_id, kv_only=kv_only)):
             return
@@ -181,6 +191,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
                   ("meta", "kv") if kv_only else None)
         self.boundaries = [self.fixed()]
         self.live_fixed = None if kv_only else self.fixed_tokens[capsule_id]
+        self.last_capsule = capsule_id
 
     def check_restore_bytes(self, capsule_id):
         """After a restore (or a switch, or a rollback to a capsule) that the engine accepted."""
@@ -189,6 +200,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         else:
             assert self.engine.last_restore_bytes >= self.engine.layout.fixed_bytes, "the fixed state not written"
         self.live_fixed = self.fixed_tokens[capsule_id]
+        self.last_capsule = capsule_id
 
     @precondition(lambda self: len(self.capsules) < len(IDS) and len(self.engine._boundaries) > 1)
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 511), min_size=1, max_size=40))
@@ -200,6 +212,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
             return
         self.capsules[capsule_id] = self.live()
         self.fixed_tokens[capsule_id] = self.live_fixed = self.new_token()
+        self.last_capsule = capsule_id
         self.rollback_steps(1)
         self.ingest(tokens)
         self.restore_id(capsule_id)
