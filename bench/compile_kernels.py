@@ -56,6 +56,7 @@ from flashrt_ros.runtime.engine import _MIN_KV_BUCKET, EngineConfig  # noqa: E40
 from flashrt_ros.runtime.kernels import (activations, attention, conv, delta_rule, norms, quant_gemv,  # noqa: E402
                                          rope)
 from flashrt_ros.runtime.model import PIECE_BUCKET, SMALL_PIECE, Qwen35  # noqa: E402
+from flashrt_ros.tools import provenance  # noqa: E402
 
 KERNEL_MODULES = (activations, attention, conv, delta_rule, norms, quant_gemv, rope)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -265,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(r['status'] == 'FAILED' for r in failed)} failed"
           + (f"; never launched: {', '.join(unlaunched)}" if unlaunched else ""))
     if args.json:
-        args.json.write_text(json.dumps({"triton": triton.__version__, "torch": torch.__version__, "kernels": kernels,
-                                         "unlaunched": unlaunched, "results": results}, indent=1))
+        provenance.write_result(args.json, {"triton": triton.__version__, "torch": torch.__version__,
+                                            "kernels": kernels, "unlaunched": unlaunched, "results": results}, "cpu")
     return 1 if failed or unlaunched else 0
 
 

@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 
 from flashrt_ros.runtime.kernels import quant_gemv as kq  # noqa: E402
+from flashrt_ros.tools import provenance  # noqa: E402
 
 _ADDRESS = re.compile(r"/\*([0-9a-f]{4,})\*/")
 
@@ -128,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{local_accesses} local-memory accesses")
     print(", ".join(f"{op} {count}" for op, count in opcodes.most_common()))
     if args.json:
-        args.json.write_text(json.dumps({"config": list(used), "instructions": total, "weights_per_thread": weights,
-                                         "per_weight": total / weights, "registers": registers,
-                                         "local_memory_accesses": local_accesses, "opcodes": dict(opcodes)}))
+        provenance.write_result(args.json, {"config": list(used), "instructions": total, "weights_per_thread": weights,
+                                            "per_weight": total / weights, "registers": registers,
+                                            "local_memory_accesses": local_accesses, "opcodes": dict(opcodes)},
+                                "cpu")
     return 0
 
 

@@ -2,7 +2,7 @@
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
 # capsules | load; quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS, PROFILE_DRAFTS)
-# Every phase keeps its whole log under $OUT (the device tool returns only the output's tail).
+# Every phase keeps its whole log under $OUT/<card>_<commit>/ (the device tool returns only the output's tail).
 # The wheels in .whl, where there are any (transformers 5.24.0, fla-core 0.6.0: what the machine lacks), are installed first.
 # Runs on an H100 as well: every result records the card's name.
 set -uo pipefail
@@ -10,10 +10,13 @@ if compgen -G '.whl/*.whl' > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# The commit the results are of (bench/gpu_commit.txt) and one folder for the run: bench/results/<card>_<commit>/
+# once copied back.
+. "$(dirname "${BASH_SOURCE[0]}")/run_folder.sh" || exit 2
+OUT=${OUT:-/tmp/out}/$RUN; mkdir -p "$OUT"; echo "results in $RUN/"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee -a "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-git_commit=${GIT_COMMIT:-unknown}; echo "commit $git_commit" | tee -a "$OUT/gpu.txt"
+echo "commit $FLASHRT_GIT_COMMIT" | tee -a "$OUT/gpu.txt"
 bench() {  # preset contexts repeats
   timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.tools bench --model "$1" --device cuda --dtype bfloat16 --contexts "$2" --repeats "$3" \
       --decode-tokens 64 --compare-hf --profile --out "$OUT/bench_$1.json" > "$OUT/bench_$1.log" 2>&1

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from flashrt_ros.runtime import quant, weights  # noqa: E402
-from flashrt_ros.tools import checkpoint_writer, memory_peak  # noqa: E402
+from flashrt_ros.tools import checkpoint_writer, memory_peak, provenance  # noqa: E402
 from flashrt_ros.runtime.arena import Arena, buffer_specs  # noqa: E402
 from flashrt_ros.runtime.checkpoint import read_scheme  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS, read_config  # noqa: E402
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                          quant.parse_patterns(args.weights_exclude))
     print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        provenance.write_result(args.out, result, args.device)
     return 0
 
 

@@ -22,8 +22,12 @@ def row(result: dict) -> list[str]:
 
 
 def table(folder: Path) -> str:
-    results = [json.loads(path.read_text()) for path in sorted(folder.glob("load_*.json"))]
-    results.sort(key=lambda r: (r["final_weight_bytes"] > 5e9, r["source"], -r["final_weight_bytes"]))
+    return results_table([json.loads(path.read_text()) for path in sorted(folder.glob("load_*.json"))])
+
+
+def results_table(results: list[dict]) -> str:
+    """The table of these load results (scripts/benchmarks_tables.py renders BENCHMARKS' section with it)."""
+    results = sorted(results, key=lambda r: (r["final_weight_bytes"] > 5e9, r["source"], -r["final_weight_bytes"]))
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row(r)) + " |" for r in results]
     return "\n".join(lines)

@@ -39,6 +39,7 @@ from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import quant_gemv as kq  # noqa: E402
 from flashrt_ros.runtime.kernels import quant_gemv_configs  # noqa: E402
 from flashrt_ros.runtime.model import Qwen35  # noqa: E402
+from flashrt_ros.tools import provenance  # noqa: E402
 
 ROWS = (1, 8, 16, 24, 32, 64)        # decode, the small-piece buckets up to SMALL_PIECE (model.py)
 FP8_BLOCK = 128                      # compressed-tensors' block-scaled FP8 checkpoints
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                   fused_max_rows=chosen["fused_max_rows"], wrong=wrong,
                   chosen=[{"kind": key[0], "N": key[1], "K": key[2], "bucket": key[3], "config": list(c)}
                           for key, c in chosen["configs"].items()])
-    args.out.write_text(json.dumps(result, indent=1))
+    provenance.write_result(args.out, result, args.device)
     if args.write_table:
         entry = merged_entry(quant_gemv_configs.TABLE.get(name, {}), chosen, rows)
         args.write_table.write_text(table_source({**quant_gemv_configs.TABLE, name: entry}))

@@ -27,6 +27,8 @@ sys.path.insert(0, str(HERE))
 from gguf_writer import write_gguf  # noqa: E402
 from tokens import write_tokens  # noqa: E402
 
+from flashrt_ros.tools import provenance  # noqa: E402
+
 PROMPT_STREAM = "peer-fidelity"
 
 
@@ -150,10 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         kv = args.kv or ("f32" if args.dtype == "float32" else "bf16")
         result = run(engine, args.binary, args.prompt_len, args.gen, workdir, args.ngl, kv, args.threads, args.gguf,
                      args.reference)
-    text = json.dumps(result, indent=2)
     if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+        provenance.write_result(args.out, result, args.device)
+    print(json.dumps(result, indent=2))
     return 0
 
 

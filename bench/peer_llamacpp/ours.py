@@ -9,7 +9,6 @@ engine (one engine start instead of two on the GPU).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 
-from flashrt_ros.tools import cli  # noqa: E402
+from flashrt_ros.tools import cli, provenance, ttft  # noqa: E402
 from flashrt_ros.tools.bench import SUFFIX_LEN, bench_context, markdown_table  # noqa: E402
 from flashrt_ros.runtime.engine import Engine  # noqa: E402
 import fidelity  # noqa: E402
@@ -42,21 +41,21 @@ def main(argv: list[str] | None = None) -> int:
     args = cli.build_parser().parse_args(["bench", *rest])
     contexts = [int(c) for c in args.contexts.split(",")]
     # As cmd_bench configures its engine.
-    engine = Engine(cli._config(args, max(contexts) + SUFFIX_LEN + args.decode_tokens + 8, 16384, 8192,
-                                checksum=False))
+    engine = Engine(cli._config(args, max(contexts) + SUFFIX_LEN + args.decode_tokens + 8, ttft.BENCH_PREFILL_CHUNK,
+                                8192, checksum=False))
     result = {"model": args.model, "device": args.device, "dtype": args.dtype, "kernels": engine.kernel_name,
               "cuda_graphs": len(engine.graphs.graphs), "arena_bytes": engine.arena_bytes, "rows": []}
     for context in contexts:
         result["rows"].append(bench_context(engine, context, args.repeats, args.decode_tokens, compare_hf=False))
         if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+            provenance.write_result(args.out, result, args.device)
     print(markdown_table(result["rows"]), file=sys.stderr)
     if extra.fidelity:
         workdir = extra.fidelity_work or extra.fidelity.with_suffix(".work")
         workdir.mkdir(parents=True, exist_ok=True)
         check = fidelity.run(engine, extra.binary, extra.fidelity_prompt, extra.fidelity_gen, workdir, extra.ngl,
                              extra.kv, threads=os.cpu_count() or 1, gguf_path=extra.gguf, reference=True)
-        extra.fidelity.write_text(json.dumps(check, indent=2) + "\n")
+        provenance.write_result(extra.fidelity, check, args.device)
     return 0
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The peer benchmark on the lent H200, one command: llama.cpp (CUDA, sm_90) and our engine on the same seeded
-# qwen3.5-0.8b weights, same prompts, same GPU, one sitting. Results under $OUT (7 files):
+# qwen3.5-0.8b weights, same prompts, same GPU, one sitting. Results under $OUT/<card>_<commit>/peer/ (7 files; the
+# commit from bench/gpu_commit.txt, see bench/run_folder.sh):
 #   peer_log.txt  peer_llamacpp.json  ours.json  fidelity.json  llama_bench.json  peer_table.md  peer_summary.json
 #   (+ build_tail.txt when the build failed)
 # (kept in build-cuda/results across calls on a warm machine, copied to $OUT by every call).
@@ -22,7 +23,8 @@ MODEL=${PEER_MODEL:-qwen3.5-0.8b}
 BUILD=${PEER_BUILD:-$HERE/build-$DEVICE}
 WORK=$BUILD/work
 RES=$BUILD/results                          # results of every call so far; each call copies them all to $OUT
-OUT=${OUT:-/tmp/out}
+. bench/run_folder.sh || exit 2           # FLASHRT_GIT_COMMIT and RUN, as bench/h200.sh
+OUT=${OUT:-/tmp/out}/$RUN/peer
 mkdir -p "$OUT" "$WORK" "$RES"
 LOG=$RES/peer_log.txt
 publish() { cp -f "$RES"/* "$OUT"/ 2>/dev/null; }
@@ -49,7 +51,7 @@ if [ "${PEER_WHEELS:-1}" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then   # PEER_W
     || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-commit=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+commit=${FLASHRT_GIT_COMMIT:0:7}
 
 build_done() { [ -x "$BUILD/bin/peer_timing" ] && [ -f "$BUILD/.built" ]; }
 building() { [ -f "$BUILD/.building" ] && kill -0 "$(cat "$BUILD/.building")" 2>/dev/null; }

@@ -638,6 +638,7 @@ class Engine:
         self.check_seed(seed)
         self.arena["meta"][RNG_SEED] = seed
         self.arena["meta"][RNG_COUNTER] = 0
+        self.live.rows.truncate(self.position)    # the fixed state changed: no stored block equals it now
         self._restart_history()
 
     # ---- capsules ----------------------------------------------------------------------------------------

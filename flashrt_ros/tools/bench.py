@@ -13,7 +13,7 @@ from flashrt_ros.runtime.checksum import checksum
 from flashrt_ros.runtime.engine import Engine
 from flashrt_ros.runtime.model import rope_inv_freq
 
-from . import floors
+from . import floors, ttft
 from .timing import timed
 from .verify import prompt_tokens
 
@@ -86,12 +86,7 @@ def bench_context(engine: Engine, context: int, repeats: int, decode_tokens: int
     prefix = prompt_tokens(engine.vocab_size, context, "bench-prefix")
     suffix = prompt_tokens(engine.vocab_size, SUFFIX_LEN, "bench-suffix")
 
-    def cold():
-        engine.reset()
-        engine.ingest(prefix + suffix)
-        return engine.peek_token()
-
-    cold_ms = _time_ms(device, cold, repeats)
+    cold = ttft.cold_ttft(engine, prefix + suffix, repeats)
 
     # Full copies: the live rows share nothing stored (a fresh prefill; a reset before each restore). The delta and
     # lineage-aware paths (live rows already held by a stored capsule) are timed beside them.
@@ -137,19 +132,11 @@ def bench_context(engine: Engine, context: int, repeats: int, decode_tokens: int
     floor_ms = _time_ms(device, lambda: dst.copy_(src), repeats)
     checksum_ms = _time_ms(device, lambda: checksum(src), max(3, repeats // 4))
 
-    def capsule_ttft():
-        engine.restore("bench")
-        engine.ingest(suffix)
-        return engine.peek_token()
-
-    capsule_ms = _time_ms(device, capsule_ttft, repeats, setup=engine.reset)
-    engine.reset()
-    if capsule_ttft() != cold():
+    capsule = ttft.capsule_ttft(engine, "bench", suffix, repeats)
+    if capsule.pop("capsule_first_token") != cold.pop("cold_first_token"):
         raise RuntimeError("capsule TTFT path produced a different first token than cold prefill")
 
-    engine.restore("bench")
-    engine.ingest(suffix)
-    list(engine.generate(2, stop_token_ids=()))                   # warm
+    list(engine.generate(2, stop_token_ids=()))                   # warm (the stream: the capsule + the suffix)
     steps, total_ms = timed(device, lambda: list(engine.generate(decode_tokens, stop_token_ids=())))
     decode_ms = total_ms / max(1, len(steps))
     engine.drop("bench")
@@ -167,8 +154,7 @@ def bench_context(engine: Engine, context: int, repeats: int, decode_tokens: int
         "rollback_capsule_p99_ms": _p(rollback_capsule_ms, 0.99),
         "copy_floor_p50_ms": statistics.median(floor_ms),
         "checksum_p50_ms": statistics.median(checksum_ms),
-        "cold_ttft_ms": statistics.median(cold_ms), "capsule_ttft_ms": statistics.median(capsule_ms),
-        "decode_ms_per_token": decode_ms,
+        **cold, **capsule, "decode_ms_per_token": decode_ms,
     }
     row["snapshot_over_floor"] = row["snapshot_p50_ms"] / row["copy_floor_p50_ms"]
     row["restore_over_floor"] = row["restore_p50_ms"] / row["copy_floor_p50_ms"]
@@ -221,11 +207,14 @@ COLUMNS = [("context", "{}"), ("capsule_bytes", "{:,}"), ("snapshot_p50_ms", "{:
            ("restore_p50_ms", "{:.3f}"), ("restore_p99_ms", "{:.3f}"), ("copy_floor_p50_ms", "{:.3f}"),
            ("restore_over_floor", "{:.2f}"), ("delta_snapshot_p50_ms", "{:.3f}"), ("lineage_restore_p50_ms", "{:.3f}"),
            ("fork_p50_ms", "{:.3f}"), ("rollback_step_p50_ms", "{:.3f}"), ("rollback_capsule_p50_ms", "{:.3f}"),
-           ("checksum_p50_ms", "{:.3f}"), ("cold_ttft_ms", "{:.2f}"), ("capsule_ttft_ms", "{:.2f}"),
+           ("checksum_p50_ms", "{:.3f}"), ("cold_ttft_ms", "{:.2f}"), ("prefill_chunk", "{}"),
+           ("capsule_ttft_ms", "{:.2f}"),
+           ("capsule_ttft_restore_ms", "{:.3f}"), ("capsule_ttft_suffix_prefill_ms", "{:.3f}"),
+           ("capsule_ttft_first_token_ms", "{:.3f}"), ("capsule_ttft_host_overhead_ms", "{:.3f}"),
            ("ttft_speedup", "{:.1f}x"), ("decode_ms_per_token", "{:.2f}"), ("decode_floor_ms", "{:.3f}"),
            ("decode_over_floor", "{:.2f}"), ("gemv_graph_ms", "{:.3f}"), ("decode_over_gemv_graph", "{:.2f}"),
-           ("hf_cold_ttft_ms", "{:.2f}"),
-           ("hf_decode_step_ms", "{:.2f}")]
+           ("hf_cold_ttft_ms", "{:.2f}"), ("cold_ttft_over_hf", "{:.2f}"), ("hf_decode_step_ms", "{:.2f}"),
+           ("decode_speedup_vs_hf", "{:.2f}x")]
 
 
 def markdown_table(rows: list[dict]) -> str:

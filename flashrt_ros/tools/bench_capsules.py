@@ -24,7 +24,7 @@ from flashrt_ros.runtime.capsule.capsule import DISK, HOST
 from flashrt_ros.runtime.engine import Engine
 
 from . import bench_files
-from .timing import timed
+from .timing import timed, timed_split
 from .verify import prompt_tokens
 
 
@@ -55,12 +55,13 @@ def memory_figures(engine: Engine, ids: list[str]) -> dict:
 
 
 def restore_figures(engine: Engine, ids: list[str], repeats: int) -> dict:
+    """Sibling restore (wall, and split into the host's time to issue it and the device's time), full restore, the
+    copy floor of one full capsule and that of the bytes a sibling restore writes (one plain copy of as many)."""
     device = engine.device
     sibling, copied = [], 0
     engine.restore(ids[0])
     for n in range(repeats):
-        _, ms = timed(device, lambda: engine.restore(ids[(n + 1) % len(ids)]))
-        sibling.append(ms)
+        sibling.append(timed_split(device, lambda: engine.restore(ids[(n + 1) % len(ids)]))[1])
         copied = engine.last_restore_bytes
     full = []
     for n in range(repeats):
@@ -69,9 +70,15 @@ def restore_figures(engine: Engine, ids: list[str], repeats: int) -> dict:
     src = engine.capsule_bytes(ids[0])
     dst = torch.empty_like(src)
     floor = [timed(device, lambda: dst.copy_(src))[1] for _ in range(repeats)]
-    out = {"sibling_restore_p50_ms": _p50(sibling), "sibling_restore_bytes": copied,
+    part_src, part_dst = src[:copied], dst[:copied]
+    bytes_floor = [timed(device, lambda: part_dst.copy_(part_src))[1] for _ in range(repeats)]
+    out = {"sibling_restore_p50_ms": _p50([s["wall"] for s in sibling]),
+           "sibling_restore_host_p50_ms": _p50([s["host"] for s in sibling]),
+           "sibling_restore_device_p50_ms": _p50([s["device"] for s in sibling]), "sibling_restore_bytes": copied,
+           "sibling_bytes_floor_p50_ms": _p50(bytes_floor),
            "full_restore_p50_ms": _p50(full), "full_restore_bytes": src.numel(), "copy_floor_p50_ms": _p50(floor)}
     out["sibling_over_floor"] = out["sibling_restore_p50_ms"] / out["copy_floor_p50_ms"]
+    out["sibling_over_bytes_floor"] = out["sibling_restore_p50_ms"] / out["sibling_bytes_floor_p50_ms"]
     out["full_over_floor"] = out["full_restore_p50_ms"] / out["copy_floor_p50_ms"]
     return out
 
@@ -134,13 +141,20 @@ def run(engine: Engine, context: int, branches: int, branch_tokens: int, repeats
 
 
 COLUMNS = ["context", "branches", "one_full_capsule_bytes", "full_copies_over_one", "delta_over_one",
-           "sibling_restore_p50_ms", "full_restore_p50_ms", "copy_floor_p50_ms", "sibling_over_floor",
+           "sibling_restore_p50_ms", "sibling_restore_host_p50_ms", "sibling_restore_device_p50_ms",
+           "sibling_bytes_floor_p50_ms", "full_restore_p50_ms", "copy_floor_p50_ms", "sibling_over_floor",
+           "sibling_over_bytes_floor",
            "full_over_floor", "host_spill_p50_ms", "host_spill_over_floor", "host_fetch_p50_ms",
            "host_fetch_over_floor", "disk_spill_p50_ms", "disk_spill_over_floor", "disk_fetch_p50_ms",
            "disk_fetch_over_floor", "export_gb_s", "import_gb_s"]
 
 
-def markdown(result: dict) -> str:
-    cols = [c for c in COLUMNS if c in result]
-    cells = [f"{result[c]:.3g}" if isinstance(result[c], float) else f"{result[c]:,}" for c in cols]
-    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), "| " + " | ".join(cells) + " |"])
+def markdown(*results: dict) -> str:
+    """One row per result (several runs, e.g. per context, in one table)."""
+    cols = [c for c in COLUMNS if any(c in r for r in results)]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for result in results:
+        cells = ["" if c not in result else f"{result[c]:.3g}" if isinstance(result[c], float) else f"{result[c]:,}"
+                 for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -25,6 +25,7 @@ from flashrt_ros.runtime.capsule import file as capsule_file
 from flashrt_ros.runtime.capsule.capsule import Capsule, CapsuleInfo
 from flashrt_ros.runtime.checksum import checksum
 
+from . import provenance
 from .timing import timed
 
 
@@ -86,10 +87,9 @@ def main(argv=None) -> None:
     folder = capsule_file.prepare_capsule_dir(args.dir)
     figures = file_figures(int(args.mib * 2**20), torch.device(args.device), folder,
                            os.urandom(32) if args.key else None, args.repeats)
-    text = json.dumps(figures, indent=2)
-    print(text)
+    print(json.dumps(figures, indent=2))
     if args.json:
-        Path(args.json).write_text(text + "\n")
+        provenance.write_result(args.json, figures, args.device)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from flashrt_ros.demo import ensure_loopback_env, local_node
+from flashrt_ros.tools import provenance
 
 
 def percentiles(samples_ms):
@@ -330,10 +331,9 @@ def main(argv=None) -> int:
             print()
     if args.out:
         meta = {"model": args.model, "device": args.device, "max_context": max_context, "node_params": args.node_param,
-                "machine": platform.platform(), "python": platform.python_version(),
-                "command": " ".join(["python -m flashrt_ros.tools.bench_node", *(argv or sys.argv[1:])])}
-        args.out.write_text(json.dumps({"meta": meta, "results": rows, "bursts": bursts,
-                                        "observation_rates": rates}, indent=2))
+                "machine": platform.platform()}
+        provenance.write_result(args.out, {"meta": meta, "results": rows, "bursts": bursts,
+                                           "observation_rates": rates}, args.device)
     return 0
 
 

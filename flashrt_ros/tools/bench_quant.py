@@ -27,6 +27,7 @@ from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
 from flashrt_ros.runtime.model import Qwen35
 from flashrt_ros.runtime.vision.config import VISUAL
 
+from . import floors, ttft
 from .timing import sync, timed
 from .verify import first_divergence, prompt_tokens
 
@@ -60,16 +61,6 @@ def projected_bytes_per_token(cfg: ModelConfig, fmt: str, exclude: tuple[str, ..
         total += quant.weight_bytes("dense" if kept else fmt, *module.weight.shape, dense_element_size)
     head_fmt = "dense" if fmt == "dense" or quant.is_excluded(quant.LM_HEAD, exclude) else fmt
     return total + quant.weight_bytes(head_fmt, cfg.vocab_size, cfg.hidden_size, dense_element_size)
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a large device copy (bytes read + written): the floor every weight read is held to."""
-    nbytes = (1 << 30) if device.type == "cuda" else (1 << 27)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(timed(device, lambda: dst.copy_(src))[1] for _ in range(5))
-    return 2 * nbytes / (best / 1000.0)
 
 
 def _time_calls_us(device: torch.device, fn, repeats: int) -> float:
@@ -196,11 +187,8 @@ def _format_row(engine: Engine, cfg: QuantBenchConfig, bandwidth: float, prompt:
     device = engine.device
     prefill = prompt_tokens(engine.vocab_size, cfg.prefill_tokens, "quant-prefill")
 
-    def cold():
-        engine.reset()
-        engine.ingest(prefill)
-        return engine.peek_token()
-    ttft = [timed(device, cold)[1] for _ in range(cfg.repeats)]
+    cold = ttft.cold_ttft(engine, prefill, cfg.repeats)
+    del cold["cold_first_token"]
     engine.reset()
     engine.ingest(prompt)
     list(engine.generate(2, stop_token_ids=()))
@@ -210,14 +198,14 @@ def _format_row(engine: Engine, cfg: QuantBenchConfig, bandwidth: float, prompt:
     floor_ms = 1000.0 * nbytes / bandwidth
     return {"format": engine.weights_format, "weight_bytes_per_token": nbytes, "decode_ms_per_token": decode_ms,
             "floor_ms": floor_ms, "decode_over_floor": decode_ms / floor_ms,
-            "prefill_tokens": cfg.prefill_tokens, "cold_ttft_ms": statistics.median(ttft)}
+            "prefill_tokens": cfg.prefill_tokens, **cold}
 
 
 def run(cfg: QuantBenchConfig) -> dict:
     """Every format of ``cfg.formats`` (``dense`` first: the others are compared with it), one engine at a time."""
     formats = ("dense",) + tuple(f for f in cfg.formats if f != "dense")
     device = torch.device(cfg.engine.device)
-    bandwidth = copy_bandwidth(device)
+    bandwidth = floors.copy_bandwidth_bytes_per_s(device)
     rows, platform_info, gemvs = [], {}, []
     # from the dense engine: the prompt, its greedy tokens, the forced tokens, its logits and cross-entropies
     prompt = ref_free = forced = ref_logits = ref_nll = None
@@ -278,19 +266,28 @@ def _table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def markdown(result: dict) -> str:
-    formats = _table(result["formats"], [
+def formats_markdown(result: dict) -> str:
+    """The formats side by side: speed against the floor and dense, cold TTFT, fidelity against dense."""
+    return _table(result["formats"], [
         ("format", "{}"), ("weight_bytes_per_token", "{:,}"), ("decode_ms_per_token", "{:.3f}"), ("floor_ms", "{:.3f}"),
         ("decode_over_floor", "{:.2f}"), ("decode_speedup_vs_dense", "{:.2f}x"), ("cold_ttft_ms", "{:.2f}"),
+        ("prefill_tokens", "{}"), ("prefill_chunk", "{}"),
         ("logits_rel_l2_mean", "{:.4f}"), ("logits_max_abs_err", "{:.4f}"), ("greedy_agreement", "{:.3f}"),
         ("forced_nll", "{:.4f}"), ("perplexity_vs_dense", "{:.4f}"), ("nll_delta_stderr", "{:.4f}"),
         ("free_run_first_divergence", "{}")])
-    gemv = _table(result["gemv"], [
+
+
+def gemv_markdown(result: dict) -> str:
+    """Each projection shape's GEMV per format against dense ``F.linear``: time, bandwidth, one layer's error."""
+    return _table(result["gemv"], [
         ("shape", "{}"), ("N", "{}"), ("K", "{}"), ("dense_us", "{:.2f}"), ("fp8_us", "{:.2f}"),
         ("nvfp4_us", "{:.2f}"), ("fp8_speedup", "{:.2f}x"), ("nvfp4_speedup", "{:.2f}x"), ("dense_GBps", "{:.0f}"),
         ("fp8_GBps", "{:.0f}"), ("nvfp4_GBps", "{:.0f}"), ("dense_rel_err", "{:.4f}"), ("fp8_rel_err", "{:.4f}"),
         ("nvfp4_rel_err", "{:.4f}")])
+
+
+def markdown(result: dict) -> str:
     thor = _table(result["thor_projection"], [
         ("preset", "{}"), ("format", "{}"), ("bytes_per_token", "{:,}"), ("projected_floor_ms", "{:.1f}"),
         ("projected_max_tokens_per_s", "{:.0f}")])
-    return f"{formats}\n\n{gemv}\n\nProjected for Jetson AGX Thor (273 GB/s; a projection, not a measurement):\n{thor}"
+    return f"{formats_markdown(result)}\n\n{gemv_markdown(result)}\n\nProjected for Jetson AGX Thor (273 GB/s; a projection, not a measurement):\n{thor}"

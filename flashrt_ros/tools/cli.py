@@ -18,8 +18,8 @@ from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
 from flashrt_ros.runtime.sampler import SamplingParams
 from flashrt_ros.runtime.vision.preprocess import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 
-from . import bench_capsules, bench_constraint, bench_quant, bench_spec, bench_vision, plan
-from . import bench_capsules, bench_constraint, bench_image_ttft, bench_quant, bench_spec, plan
+from . import (bench_capsules, bench_constraint, bench_image_ttft, bench_quant, bench_spec, bench_vision, plan,
+               provenance, ttft)
 from .bench import bench_context, cold_prefill_profile, markdown_table
 from .verify import verify
 
@@ -74,15 +74,17 @@ def cmd_generate(args) -> dict:
 def cmd_verify(args) -> dict:
     needed = args.prefix_len + 2 * (args.suffix_len + args.gen) + 64
     engine = Engine(_config(args, needed, 64, 1024))
-    return verify(engine, args.prefix_len, args.suffix_len, args.gen, kv_only=args.kv_only)
+    return provenance.stamp(verify(engine, args.prefix_len, args.suffix_len, args.gen, kv_only=args.kv_only),
+                            args.device)
 
 
 def _report(result: dict, table: str, out: str | None) -> dict:
-    """A benchmark's table on stderr, its JSON to ``out`` too when given (stdout gets it from main)."""
+    """A benchmark's table on stderr, its JSON (with its provenance) to ``out`` too when given (stdout gets it from
+    main)."""
     print(table, file=sys.stderr)
+    provenance.stamp(result, result["device"])
     if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=2)
+        provenance.write_result(out, result, result["device"])
     return result
 
 
@@ -91,7 +93,7 @@ def cmd_bench(args) -> dict:
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "--compare-hf runs transformers on the dense weights: use "
                                                        "--weights-format dense (bench-quant compares the formats)")
     contexts = [int(c) for c in args.contexts.split(",")]
-    engine = Engine(_config(args, max(contexts) + 24 + args.decode_tokens + 8, 16384,
+    engine = Engine(_config(args, max(contexts) + 24 + args.decode_tokens + 8, ttft.BENCH_PREFILL_CHUNK,
                             8192, checksum=False))
     rows = [bench_context(engine, c, args.repeats, args.decode_tokens, args.compare_hf) for c in contexts]
     result = {"model": args.model, "device": args.device, "dtype": args.dtype, "kernels": engine.kernel_name,
@@ -106,7 +108,7 @@ def cmd_bench(args) -> dict:
 
 def cmd_bench_quant(args) -> dict:
     cfg = bench_quant.QuantBenchConfig(
-        engine=_config(args, 1, 256, 0, checksum=False), formats=tuple(args.formats.split(",")),
+        engine=_config(args, 1, ttft.BENCH_PREFILL_CHUNK, 0, checksum=False), formats=tuple(args.formats.split(",")),
         context=args.context, decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens,
         fidelity_tokens=args.fidelity_tokens, fidelity_text=args.fidelity_text, repeats=args.repeats)
     result = bench_quant.run(cfg)

@@ -8,8 +8,13 @@ capsule's bytes equal the model's copy, and the budget's used bytes are exactly 
 labels; the host bytes are exactly the full copies of the host-tier capsules (a disk spill's staging copy among
 them while its file is written in the background). Background writes and prefetches end whenever they do: every
 invariant holds at any point of them.
+
+The model also knows which capsule's fixed state the live state still is (restored from or snapshotted into, with
+nothing run since, and the capsule's device copy the same one: a spill and a fetch make new blocks): a restore of
+that capsule must write nothing, and a restore of any other must write the whole fixed state.
 """
 import dataclasses
+import itertools
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -19,7 +24,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, SamplingParams
 from flashrt_ros.runtime.capsule import file as capsule_file
-from flashrt_ros.runtime.capsule.capsule import DEVICE, HOST, label_nbytes
+from flashrt_ros.runtime.capsule.capsule import DEVICE, DISK, HOST, label_nbytes
 
 # room for about six capsules at full context: snapshots, forks and fetches evict (lru) to disk
 CONFIG = EngineConfig(model="tiny", max_context=160, prefill_chunk=16, history_depth=6,
@@ -63,6 +68,11 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         self.capsules: dict[str, torch.Tensor] = {}
         self.boundaries = [self.fixed()]
         self.fixed_span = self.engine.arena.specs["kv"].offset
+        # the fixed state's identity: one token per stored device copy; the live state's, while it is one of them
+        self.fixed_tokens: dict[str, int] = {}
+        self.live_fixed: int | None = None
+        self.last_capsule: str | None = None         # the capsule the live state was last loaded from or saved into
+        self.new_token = itertools.count().__next__
 
     # ---- the model ---------------------------------------------------------------------------------------
     def fixed(self) -> torch.Tensor:
@@ -116,6 +126,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         self.engine.ingest(tokens)
         self.on_twin(lambda twin: twin.ingest(tokens))
         self.push()
+        self.live_fixed = None
 
     @precondition(lambda self: 0 < self.position() < CONFIG.max_context - 6)
     @rule(count=st.integers(1, 5), temperature=st.sampled_from([0.0, 0.8]))
@@ -125,6 +136,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         for token in tokens:                  # the model steps one token at a time: a boundary after each
             assert [token] == self.on_twin(lambda twin: list(twin.generate(1, sampling, stop_token_ids=[])))
             self.push()
+        self.live_fixed = None
 
     @precondition(lambda self: len(self.capsules) < len(IDS))
     @rule(data=st.data(), label=st.sampled_from(["", "root", "é" * 5]))
@@ -132,6 +144,8 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         capsule_id = self.free_id(data)
         if self.allowed(lambda: self.engine.snapshot(capsule_id, label=label, pinned=data.draw(st.booleans()))):
             self.capsules[capsule_id] = self.live()
+            self.fixed_tokens[capsule_id] = self.live_fixed = self.new_token()
+            self.last_capsule = capsule_id
 
     @precondition(lambda self: self.capsules and len(self.capsules) < len(IDS))
     @rule(data=st.data(), switch=st.booleans(), of_live=st.booleans())
@@ -140,7 +154,13 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         if not self.allowed(lambda: self.engine.fork(source, capsule_id, switch=switch)):
             return
         self.capsules[capsule_id] = self.live() if source is None else self.capsules[source].clone()
+        if source is None:                           # a snapshot of the live state under another name
+            self.fixed_tokens[capsule_id] = self.live_fixed = self.new_token()
+            self.last_capsule = capsule_id
+        else:                                        # shares the source's blocks
+            self.fixed_tokens[capsule_id] = self.fixed_tokens[source]
         if switch and source is not None:
+            self.check_restore_bytes(capsule_id)
             self.load(self.capsules[capsule_id], self.engine.capsule(capsule_id).position)
             self.boundaries = [self.fixed()]
 
@@ -149,12 +169,38 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
     def restore(self, data, kv_only):
         self.restore_id(self.some_id(data), kv_only)
 
+    @precondition(lambda self: self.live_fixed in self.fixed_tokens.values())
+    @rule()
+    def restore_the_live_capsule(self):
+        """A restore of the capsule the live state still is: nothing to write."""
+        self.restore_id(next(c for c, t in self.fixed_tokens.items() if t == self.live_fixed))
+
+    @precondition(lambda self: self.last_capsule in self.capsules)
+    @rule()
+    def restore_the_last_capsule(self):
+        """A restore of the capsule last restored or snapshotted, whatever ran since (ingest, generate, reseed,
+        rollback...): it writes nothing only if nothing did."""
+        self.restore_id(self.last_capsule)
+
     def restore_id(self, capsule_id, kv_only=False):
         if not self.allowed(lambda: self.engine.restore(capsule_id, kv_only=kv_only)):
             return
+        if not kv_only:
+            self.check_restore_bytes(capsule_id)
         self.load(self.capsules[capsule_id], self.engine.capsule(capsule_id).position,
                   ("meta", "kv") if kv_only else None)
         self.boundaries = [self.fixed()]
+        self.live_fixed = None if kv_only else self.fixed_tokens[capsule_id]
+        self.last_capsule = capsule_id
+
+    def check_restore_bytes(self, capsule_id):
+        """After a restore (or a switch, or a rollback to a capsule) that the engine accepted."""
+        if self.fixed_tokens[capsule_id] == self.live_fixed:
+            assert self.engine.last_restore_bytes == 0, "the live state was this capsule: nothing to write"
+        else:
+            assert self.engine.last_restore_bytes >= self.engine.layout.fixed_bytes, "the fixed state not written"
+        self.live_fixed = self.fixed_tokens[capsule_id]
+        self.last_capsule = capsule_id
 
     @precondition(lambda self: len(self.capsules) < len(IDS) and len(self.engine._boundaries) > 1)
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 511), min_size=1, max_size=40))
@@ -165,6 +211,8 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         if not self.allowed(lambda: self.engine.snapshot(capsule_id)):
             return
         self.capsules[capsule_id] = self.live()
+        self.fixed_tokens[capsule_id] = self.live_fixed = self.new_token()
+        self.last_capsule = capsule_id
         self.rollback_steps(1)
         self.ingest(tokens)
         self.restore_id(capsule_id)
@@ -179,6 +227,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
             return
         del self.boundaries[len(self.boundaries) - steps:]
         self.arena[:self.fixed_span] = self.boundaries[-1]
+        self.live_fixed = None
 
     @precondition(lambda self: self.engine.live_parent)
     @rule(data=st.data())
@@ -186,6 +235,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         capsule_id = data.draw(st.sampled_from(self.engine.store.ancestors(self.engine.live_parent)))
         if not self.allowed(lambda: self.engine.rollback(capsule_id=capsule_id)):
             return
+        self.check_restore_bytes(capsule_id)
         self.load(self.capsules[capsule_id], self.engine.capsule(capsule_id).position)
         self.boundaries = [self.fixed()]
 
@@ -198,7 +248,7 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         # capsule holds only its label in memory (as may one whose background write ends before the drop)
         own = 0 if info.tier == "disk" or capsule_id in self.engine.tiers.pending else info.own_bytes
         assert self.engine.drop(capsule_id) >= own + label_nbytes(info.label)
-        del self.capsules[capsule_id]
+        del self.capsules[capsule_id], self.fixed_tokens[capsule_id]
 
     @precondition(lambda self: self.capsules)
     @rule(data=st.data())
@@ -208,8 +258,9 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         self.engine.drop(capsule_id)
         if self.allowed(lambda: self.engine.import_capsule(capsule_id)):
             assert self.engine.capsule(capsule_id).tier != "disk"
+            self.fixed_tokens[capsule_id] = self.new_token()          # new blocks
         else:
-            del self.capsules[capsule_id]
+            del self.capsules[capsule_id], self.fixed_tokens[capsule_id]
         self.engine.capsule_file(capsule_id).unlink()
 
     @precondition(lambda self: self.capsules)
@@ -255,14 +306,24 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
         self.engine.reset()
         self.on_twin(lambda twin: twin.reset())
         self.boundaries = [self.fixed()]
+        self.live_fixed = None
 
     @rule(seed=st.integers(0, 2 ** 20))
     def reseed(self, seed):
         self.engine.reseed(seed)
         self.on_twin(lambda twin: twin.reseed(seed))
         self.boundaries = [self.fixed()]
+        self.live_fixed = None
 
     # ---- what must hold after every step -----------------------------------------------------------------
+    @invariant()
+    def capsules_off_the_device_come_back_as_new_blocks(self):
+        """(Model bookkeeping, run after every step: a capsule that left the device, evicted, spilled or on its
+        way to disk, is new blocks when it is next fetched.)"""
+        for capsule_id in self.fixed_tokens:
+            if self.engine.store.get(capsule_id).tier in (HOST, DISK):
+                self.fixed_tokens[capsule_id] = self.new_token()
+
     @invariant()
     def arena_matches_the_model(self):
         assert torch.equal(self.engine.arena.storage, self.arena), "live arena differs from the full-copy model"

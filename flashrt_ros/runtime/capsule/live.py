@@ -1,8 +1,11 @@
 """Copies between the live arena and capsules, sharing what they can.
 
-:class:`LiveRows` records, per KV buffer, which blocks the live arena's rows [0, valid) equal (by block identity, so
-nothing is kept alive by it): a snapshot shares those rows instead of copying them, and a restore copies only rows
-where the live arena and the capsule are backed by different blocks. :class:`LiveCopier` does those copies.
+:class:`LiveRows` records, per KV buffer, which blocks the live arena's rows [0, valid) equal, and which stored fixed
+block the live fixed-size state equals (by block identity, so nothing is kept alive by it): a snapshot shares those
+rows instead of copying them, and a restore copies only rows where the live arena and the capsule are backed by
+different blocks, and the fixed state only when the live one is not that capsule's (restoring the capsule the stream
+was just restored from or snapshotted into, with nothing run since, writes no fixed state). :class:`LiveCopier`
+does those copies.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ Plan = dict[str, tuple[tuple[Segment, ...], int]]    # per KV buffer: the shared
 
 
 class LiveRows:
-    """Per KV buffer: the blocks whose rows the live arena holds, as (block id, lo, hi), equal up to ``valid``."""
+    """Per KV buffer: the blocks whose rows the live arena holds, as (block id, lo, hi), equal up to ``valid``; and the
+    id of the stored fixed block the live fixed-size state equals (None: none known)."""
 
     def __init__(self, names):
         self._names = tuple(names)
@@ -25,13 +29,16 @@ class LiveRows:
     def clear(self) -> None:
         self._rows: dict[str, tuple[tuple[int, int, int], ...]] = {n: () for n in self._names}
         self._valid = dict.fromkeys(self._names, 0)
+        self.fixed_id: int | None = None
 
     def set(self, name: str, segments: tuple[Segment, ...], valid: int) -> None:
         self._rows[name] = tuple((b.id, lo, hi) for b, lo, hi in segments)
         self._valid[name] = valid
 
     def truncate(self, position: int) -> None:
-        """Rows from ``position`` on are no longer known (rollback; new tokens are written there next)."""
+        """Rows from ``position`` on are no longer known (rollback; new tokens are written there next), and the fixed
+        state is being changed. Every operation that writes the live state calls it (or :meth:`clear`)."""
+        self.fixed_id = None
         for name in self._names:
             self._valid[name] = min(self._valid[name], position)
 
@@ -61,7 +68,12 @@ class LiveCopier:
 
     def __init__(self, arena: Arena, layout: Layout, store: CapsuleStore):
         self.arena, self.layout, self.store = arena, layout, store
-        self.rows = LiveRows(layout.row_bytes)     # which stored blocks the live KV rows equal
+        self.rows = LiveRows(layout.row_bytes)     # which stored blocks the live KV rows and fixed state equal
+        # the fixed state's byte ranges as (live view, capsule offset, length), all of it and the metadata alone:
+        # computed once, every restore writes one of them
+        self._fixed_ranges = {names: tuple((arena.storage[offset:offset + length], capsule_offset, length)
+                                           for offset, capsule_offset, length in arena.segments(0, names))
+                              for names in (None, ("meta",))}
 
     def plan(self, position: int) -> Plan:
         """Per KV buffer: the stored segments the live rows share, and the row from which they must be copied."""
@@ -94,13 +106,18 @@ class LiveCopier:
         """The live KV rows now equal these stored segments (the capsule they were taken into is stored)."""
         for name in self.layout.row_bytes:
             self.rows.set(name, rows[name], position)
+        self.rows.fixed_id = rows[FIXED][0][0].id
 
     def load(self, rows: dict[str, tuple[Segment, ...]], position: int, kv_only: bool = False) -> int:
-        """Write a capsule's rows into the live arena: its fixed state, and only the KV rows the arena does not
-        already hold; returns the bytes written. ``kv_only``: only KV and the metadata."""
+        """Write a capsule's rows into the live arena: its fixed state unless the live one is that block already,
+        and only the KV rows the arena does not already hold; returns the bytes written. ``kv_only``: only KV and
+        the metadata."""
         fixed = rows[FIXED][0][0]
-        self.arena.write_live(0, fixed.data, names=("meta",) if kv_only else None)
-        copied = self.arena.specs["meta"].nbytes if kv_only else fixed.nbytes
+        copied = 0
+        if kv_only or fixed.id != self.rows.fixed_id:
+            for live, offset, length in self._fixed_ranges[("meta",) if kv_only else None]:
+                live.copy_(fixed.data[offset:offset + length], non_blocking=True)
+                copied += length
         for name in ("kv",) if kv_only else self.layout.row_bytes:
             segments = rows[name]
             start = self.rows.common(name, segments)
@@ -108,6 +125,7 @@ class LiveCopier:
             self.rows.set(name, segments, position)
             copied += max(0, position - start) * self.layout.row_bytes[name]
         self.rows.truncate(position)
+        self.rows.fixed_id = None if kv_only else fixed.id
         return copied
 
     def _write_rows(self, name: str, segments: tuple[Segment, ...], start: int) -> None:

@@ -1,0 +1,145 @@
+"""BENCHMARKS.md's generated sections, written from the result JSON files (no hand-copied numbers).
+
+A generated section is delimited in BENCHMARKS.md by
+
+    <!-- generated: KIND PATH [PATH ...] -->
+    ...
+    <!-- end generated -->
+
+and holds the table of KIND (below) over the JSON files PATH (relative to the repository), each table made by the
+benchmark's own markdown function (one definition of every table), then a line per file saying where it came from
+(its provenance block: commit, device, driver/CUDA, versions, date, command). A PATH may start with ``{run}/``: the
+folder of the latest GPU run, named once in the file by ``<!-- latest-gpu-run: bench/results/<card>_<commit> -->``.
+
+    python3 scripts/benchmarks_tables.py                      # rewrite the generated sections
+    python3 scripts/benchmarks_tables.py --run bench/results/h100_abc1234   # point {run} at a new run, rewrite
+    python3 scripts/benchmarks_tables.py --check              # exit 1 if a section differs from its JSON
+
+test/packaging/test_benchmarks_tables.py checks that every generated section matches its JSON files.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "BENCHMARKS.md"
+SECTION = re.compile(r"(?P<head><!-- generated: (?P<kind>[\w-]+) (?P<paths>[^>]*?) -->\n)(?P<body>.*?)"
+                     r"(?P<end><!-- end generated -->)", re.S)
+RUN = re.compile(r"<!-- latest-gpu-run: (?P<folder>\S+) -->")
+sys.path.insert(0, str(ROOT))
+
+
+def _module(relative: str):
+    """A script of the repository (not a package module) by path."""
+    spec = importlib.util.spec_from_file_location(Path(relative).stem, ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench(results: list[dict]) -> str:
+    from flashrt_ros.tools.bench import markdown_table
+    return "\n\n".join(f"`{r['model']}`, {r.get('weights_format', 'dense')}, {r['dtype']}, kernels "
+                       f"`{r.get('kernels', r.get('kernel'))}`:\n\n{markdown_table(r['rows'])}" for r in results)
+
+
+def _bench_quant(results: list[dict]) -> str:
+    from flashrt_ros.tools.bench_quant import formats_markdown
+    return "\n\n".join(f"`{r['model']}`, {r['dtype']}, kept dense: {', '.join(r.get('exclude') or []) or 'nothing'}:"
+                         f"\n\n{formats_markdown(r)}" for r in results)
+
+
+def _bench_quant_gemv(results: list[dict]) -> str:
+    from flashrt_ros.tools.bench_quant import gemv_markdown
+    return "\n\n".join(f"`{r['model']}`, {r['dtype']}:\n\n{gemv_markdown(r)}" for r in results)
+
+
+def _bench_capsules(results: list[dict]) -> str:
+    from flashrt_ros.tools.bench_capsules import markdown
+    return markdown(*results)
+
+
+def _load(results: list[dict]) -> str:
+    return _module("bench/load_table.py").results_table(results)
+
+
+def _peer(results: list[dict]) -> str:
+    """Two files: our bench JSON, then llama.cpp's (bench/peer_llamacpp), ratios per context."""
+    peer = _module("bench/peer_llamacpp/results.py")
+    ours, theirs = results
+    return peer.table(peer.paired(ours, theirs))
+
+
+KINDS = {"bench": _bench, "bench-quant": _bench_quant, "bench-quant-gemv": _bench_quant_gemv,
+         "bench-capsules": _bench_capsules, "load": _load, "peer": _peer}
+ALL_FILES_NEEDED = {"peer"}
+
+
+def provenance_line(path: str, result: dict) -> str:
+    """Where a file's figures came from: its provenance block, or what a file from before issue 26 recorded."""
+    p = result.get("provenance")
+    if p is None:
+        legacy = {k: result[k] for k in ("git_commit", "commit", "date", "device_name", "torch") if k in result}
+        known = ", ".join(f"{k} {v}" for k, v in legacy.items()) or "nothing"
+        return (f"- `{path}`: no provenance block (written before issue 26; it records {known}; the section's text "
+                f"gives its commit, card and command)")
+    commit = f"`{p['commit'][:10]}`" + (" (dirty tree)" if p.get("dirty") else "")
+    device = p["device_name"] + (f", driver {p['driver']}, CUDA {p['cuda_runtime']}" if p.get("driver") or
+                                 p.get("cuda_runtime") else "")
+    versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items() if v)
+    return (f"- `{path}`: commit {commit}, {device}, host `{p['host']}`, {p['date_utc']}; {versions}; "
+            f"command `{p['command']}`")
+
+
+def render(kind: str, paths: list[str], run: str | None) -> str:
+    """The section of ``kind`` over the files that exist (a run may lack some: they are named, not invented)."""
+    resolved = [p.replace("{run}", run) if run else p for p in paths]
+    present = [p for p in resolved if (ROOT / p).is_file()]
+    missing = [f"`{p}`" for p in resolved if p not in present]
+    if not present or (missing and kind in ALL_FILES_NEEDED):
+        return f"*(not measured: no {', '.join(missing)})*\n"
+    results = [json.loads((ROOT / p).read_text()) for p in present]
+    lines = [KINDS[kind](results), "", "Made by:"] + [provenance_line(p, r) for p, r in zip(present, results)]
+    if missing:
+        lines.append(f"- not in this run: {', '.join(missing)}")
+    return "\n".join(lines) + "\n"
+
+
+def regenerate(text: str, run: str | None = None) -> str:
+    """``text`` with every generated section rewritten from its JSON files (and {run} pointed at ``run``)."""
+    if run is not None:
+        text = RUN.sub(f"<!-- latest-gpu-run: {run} -->", text)
+    found = RUN.search(text)
+    folder = found["folder"] if found else None
+
+    def section(m: re.Match) -> str:
+        if m["kind"] not in KINDS:
+            raise ValueError(f"unknown generated section kind {m['kind']!r} (known: {', '.join(KINDS)})")
+        return m["head"] + render(m["kind"], m["paths"].split(), folder) + m["end"]
+    return SECTION.sub(section, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 on a difference")
+    parser.add_argument("--run", help="the latest GPU run's folder, e.g. bench/results/h100_abc1234")
+    args = parser.parse_args(argv)
+    text = BENCHMARKS.read_text()
+    new = regenerate(text, args.run)
+    if args.check:
+        if new != text:
+            print("BENCHMARKS.md's generated sections differ from their JSON files: run "
+                  "python3 scripts/benchmarks_tables.py", file=sys.stderr)
+            return 1
+        return 0
+    BENCHMARKS.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
