@@ -11,8 +11,8 @@ weights through :mod:`~flashrt_ros.runtime.kernels.dense_gemv`), each projection
 (``bench_quant._time_calls_us``) and its output checked against the reference (wrong ones are skipped and
 reported); beside them cuBLAS bf16 ``F.linear`` on the dense weights and the long-piece path (dequantise + cuBLAS).
 Per (kind, N, K, rows bucket) the fastest correct configuration over the bucket's row counts is chosen (dense has
-one bucket: its rows share one configuration, so one reduction order); per quantized kind, ``fused_max_rows`` is the largest row count up to which the fused GEMV beats dequantise + cuBLAS summed over the
-shapes. The JSON has every timing; ``--write-table`` writes the module ``quant_gemv_configs.py`` with this device's
+one bucket: its rows share one configuration, so one reduction order); per quantized kind, ``fused_max_rows`` is
+the largest row count up to which the fused GEMV beats dequantise + cuBLAS summed over the shapes. The JSON has every timing; ``--write-table`` writes the module ``quant_gemv_configs.py`` with this device's
 entries merged into the table already in the tree: swept keys replace theirs, the others are kept, and
 ``fused_max_rows`` is replaced only by a sweep of more than one row count (copy it over
 flashrt_ros/runtime/kernels/quant_gemv_configs.py and commit it).

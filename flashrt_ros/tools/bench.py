@@ -254,7 +254,8 @@ def device_is_cuda(engine: Engine) -> bool:
     return engine.device.type == "cuda"
 
 
-COLUMNS = [("dense_gemv", "{}"), ("context", "{}"), ("capsule_bytes", "{:,}"), ("snapshot_p50_ms", "{:.3f}"), ("snapshot_p99_ms", "{:.3f}"),
+COLUMNS = [("dense_gemv", "{}"), ("context", "{}"),
+           ("capsule_bytes", "{:,}"), ("snapshot_p50_ms", "{:.3f}"), ("snapshot_p99_ms", "{:.3f}"),
            ("restore_p50_ms", "{:.3f}"), ("restore_p99_ms", "{:.3f}"), ("copy_floor_p50_ms", "{:.3f}"),
            ("restore_over_floor", "{:.2f}"), ("delta_snapshot_p50_ms", "{:.3f}"), ("lineage_restore_p50_ms", "{:.3f}"),
            ("fork_p50_ms", "{:.3f}"), ("rollback_step_p50_ms", "{:.3f}"), ("rollback_capsule_p50_ms", "{:.3f}"),

@@ -51,11 +51,16 @@ def inputs(fusion: str, rows: int, n: int, k: int, dtype: torch.dtype, g_: torch
 
 
 def assert_matches_reference(fusion, rows, n, k, dtype, config=None, seed=0) -> torch.Tensor:
-    x, weight, kwargs = inputs(fusion, rows, n, k, dtype, gen(fusion, rows, n, k, dtype, seed))
+    return check(*inputs(fusion, rows, n, k, dtype, gen(fusion, rows, n, k, dtype, seed)), config)
+
+
+def check(x, weight, kwargs, config=None) -> torch.Tensor:
+    """The kernel's output, after checking it against the reference's."""
     got, want = dg.dense_linear_triton(x, weight, config=config, **kwargs), dg.dense_linear(x, weight, **kwargs)
-    assert got.shape == (rows, n) and got.dtype == dtype and torch.isfinite(got).all(), describe(got, want)
+    assert got.shape == (x.shape[0], weight.shape[0]) and got.dtype == x.dtype and torch.isfinite(got).all(), (
+        describe(got, want))
     error = float((got.double() - want.double()).abs().max() / want.double().abs().max())
-    assert error <= TOLERANCE[dtype], (fusion, rows, n, k, dtype, config, describe(got, want))
+    assert error <= TOLERANCE[x.dtype], (tuple(weight.shape), list(kwargs), config, describe(got, want))
     return got
 
 
@@ -165,3 +170,25 @@ def test_a_dense_sweep_times_correct_candidates_and_selects_one_config_for_all_i
     chosen = tune.select(result["entries"], result["baselines"])
     assert list(chosen["configs"]) == [(kq.DENSE, 24, 96, kq.DENSE_ROWS)] and kq.DENSE not in chosen["fused_max_rows"]
     assert chosen["configs"][kq.DENSE, 24, 96, kq.DENSE_ROWS][:2] in {tuple(c[:2]) for c in picked}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_gpu_dense_gemv_matches_its_reference_at_the_08b_shapes_and_replays_bit_identically(fusion):
+    """Every projection shape of qwen3.5-0.8b (its table's or the default config; the LM head plain only), rows 1
+    and 5, bf16: within one bf16 step of the reference; captured in a CUDA graph, the replay writes the eager
+    call's bytes and leaves every split-K counter at zero."""
+    for n, k in tune.projection_shapes("qwen3.5-0.8b"):
+        if fusion != "plain" and n >= 100_000:
+            continue                                        # the LM head is plain
+        for rows in (1, 5):
+            x, weight, kwargs = inputs(fusion, rows, n, k, torch.bfloat16, gen(fusion, rows, n, k))
+            eager = check(x, weight, kwargs)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = dg.dense_linear_triton(x, weight, **kwargs)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_same_bytes(f"replay {n}x{k} rows {rows}", captured, eager)
+            assert kq._arrival_tensor(x.device).count_nonzero() == 0
