@@ -13,6 +13,7 @@ import torch
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError
 from flashrt_ros.runtime import kernels as kernel_sets
 from flashrt_ros.runtime.kernels import dense_gemv
+from flashrt_ros.runtime.kernels import quant_gemv as kq
 
 pytestmark = pytest.mark.skipif(kernel_sets.triton is None or not (
     torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -131,3 +132,14 @@ def test_greedy_continuations_from_a_capsule_repeat_token_for_token_on_the_gemv_
     assert again[0] == first[0]
     assert all(torch.equal(a, b) for a, b in zip(again[1], first[1]))
     assert gemv.fingerprint != Engine(config(kernels="triton")).fingerprint
+
+
+def test_the_gemv_paths_fingerprint_covers_this_devices_gemv_table(monkeypatch):
+    """The table fixes the dense GEMV's reduction order too: an engine of the GEMV path built under another entry
+    for this device refuses the first one's capsules; the cuBLAS path does not depend on the table."""
+    paths = ("cublas", "triton")
+    before = {path: Engine(config(kernels="triton", dense_gemv=path)).fingerprint for path in paths}
+    monkeypatch.setitem(kq.quant_gemv_configs.TABLE, kq.device_name(torch.device(DEVICE)),
+                        {"configs": {(kq.DENSE, 8, 8, kq.DENSE_ROWS): (16, 64, 4, 1, 1)}, "fused_max_rows": {}})
+    after = {path: Engine(config(kernels="triton", dense_gemv=path)).fingerprint for path in paths}
+    assert after["triton"] != before["triton"] and after["cublas"] == before["cublas"]
