@@ -33,12 +33,19 @@ def engines():
     return Engine(config(kernels="reference")), Engine(config(kernels="triton", dense_gemv="triton"))
 
 
-def test_the_kernel_set_takes_the_dense_gemv_only_where_asked_and_triton_runs():
+def test_the_kernel_set_takes_the_dense_gemv_only_where_asked_and_its_probe_passes(monkeypatch):
+    """Asked for and probed: the Triton set with the GEMV; a probe that fails (a GPU its compiler cannot build for)
+    keeps F.linear and says why; the reference set never takes it; an unknown path is refused."""
     cpu = torch.device(DEVICE)
     fast, _ = kernel_sets.select("triton", cpu, False, "triton")
     assert fast.dense_linear is dense_gemv.dense_linear_triton and fast.name == "triton+gemv"
     assert kernel_sets.select("triton", cpu, False, "cublas")[0].dense_linear is None
     assert kernel_sets.select("reference", cpu, False, "triton")[0] is kernel_sets.REFERENCE
+    def unusable(device):
+        raise RuntimeError("ptxas cannot build sm_110a")
+    monkeypatch.setattr(kernel_sets, "_dense_gemv_case", unusable)
+    kept, reason = kernel_sets.select("triton", cpu, False, "triton")
+    assert kept.dense_linear is None and kept.name == "triton" and "ptxas cannot build sm_110a" in reason
     with pytest.raises(ValueError, match="dense_gemv must be one of"):
         kernel_sets.select("triton", cpu, False, "cutlass")
     with pytest.raises(FlashRTError) as refused:
