@@ -41,6 +41,7 @@ def test_the_kernel_set_takes_the_dense_gemv_only_where_asked_and_its_probe_pass
     assert fast.dense_linear is dense_gemv.dense_linear_triton and fast.name == "triton+gemv"
     assert kernel_sets.select("triton", cpu, False, "cublas")[0].dense_linear is None
     assert kernel_sets.select("reference", cpu, False, "triton")[0] is kernel_sets.REFERENCE
+
     def unusable(device):
         raise RuntimeError("ptxas cannot build sm_110a")
     monkeypatch.setattr(kernel_sets, "_dense_gemv_case", unusable)
