@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# capsules | load; quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS, PROFILE_DRAFTS)
+# capsules | load | gemv; quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
+# PROFILE_DRAFTS, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips))
 # Every phase keeps its whole log under $OUT/<card>_<commit>/ (the device tool returns only the output's tail).
 # The wheels in .whl, where there are any (transformers 5.24.0, fla-core 0.6.0: what the machine lacks), are installed first.
 # Runs on an H100 as well: every result records the card's name.
@@ -41,6 +42,29 @@ for phase in "$@"; do
       timeout 270 python3 bench/tune_quant_gemv.py --out "$OUT/tune.json" --write-table "$OUT/quant_gemv_configs.py" \
           ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1; rc=$?; echo "tune rc=$rc"; grep -v -i warn "$OUT/tune.log" | tail -40
       [ $rc -eq 0 ] && cp "$OUT/quant_gemv_configs.py" flashrt_ros/runtime/kernels/quant_gemv_configs.py
+      ;;
+    gemv)  # the dense GEMV of decode and verify: tune it (rows 1..5, 0.8B then 27B shapes), then cuBLAS vs it on 0.8B
+      gemv_tune() {  # presets budget_s name
+        [ "$2" = 0 ] && return
+        timeout $(( $2 + 60 )) python3 bench/tune_quant_gemv.py --kinds dense --rows 1,2,3,4,5 --presets "$1" --budget-s "$2" \
+            --repeats 3 --out "$OUT/tune_dense_$3.json" --write-table "$OUT/quant_gemv_configs.py" > "$OUT/tune_dense_$3.log" 2>&1
+        rc=$?; echo "tune dense $3 rc=$rc"; grep -v -i warn "$OUT/tune_dense_$3.log" | tail -12
+        [ $rc -eq 0 ] && cp "$OUT/quant_gemv_configs.py" flashrt_ros/runtime/kernels/quant_gemv_configs.py
+      }
+      timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_kernels_dense_gemv.py \
+          > "$OUT/gemv_pytest.log" 2>&1; echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gemv_pytest.log" | tail -8
+      gemv_tune qwen3.5-0.8b "${GEMV_TUNE_S:-90}" 0.8b
+      timeout 120 python3 -m flashrt_ros.tools bench --model qwen3.5-0.8b --device cuda --dtype bfloat16 --kernels triton \
+          --contexts 2048,16384 --repeats 5 --decode-tokens 64 --dense-gemv-paths cublas,triton --decode-only \
+          --out "$OUT/gemv_decode_0.8b.json" > "$OUT/gemv_decode_0.8b.log" 2>&1
+      echo "bench decode rc=$?"; grep -v -i warn "$OUT/gemv_decode_0.8b.log" | grep "^|"
+      for path in cublas triton; do
+        timeout 100 python3 -m flashrt_ros.tools bench-spec --model qwen3.5-0.8b --device cuda --dtype bfloat16 --kernels triton \
+            --dense-gemv $path --drafts 0,1,2,3,4 --prompts 2 --context 1024 --decode-tokens 64 --repeats 3 \
+            --assumed-acceptance 0.6 --out "$OUT/gemv_spec_0.8b_$path.json" > "$OUT/gemv_spec_0.8b_$path.log" 2>&1
+        echo "bench-spec $path rc=$?"; grep -v -i warn "$OUT/gemv_spec_0.8b_$path.log" | grep "^|"
+      done
+      gemv_tune qwen3.6-27b "${GEMV_TUNE_27B_S:-40}" 27b
       ;;
     quant-tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_runtime_quant.py \

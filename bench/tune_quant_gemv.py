@@ -1,16 +1,18 @@
-"""Sweep the fused quantized GEMV's launch configurations on this device and write the table it then uses.
+"""Sweep the fused GEMVs' launch configurations on this device and write the table they then use.
 
     python3 bench/tune_quant_gemv.py --out $OUT/tune.json --write-table $OUT/quant_gemv_configs.py
            [--presets qwen3.5-0.8b,qwen3.6-27b] [--rows 1,8,16,24,32,64] [--kinds fp8,fp8-block,nvfp4]
            [--budget-s 200] [--repeats 5]
+    python3 bench/tune_quant_gemv.py --kinds dense --rows 1,2,3,4,5 ...     (the dense GEMV of decode and verify)
 
-For each weight kind (fp8 per channel, fp8 with 128-wide block scales, nvfp4), each projection shape of the presets
+For each weight kind (fp8 per channel, fp8 with 128-wide block scales, nvfp4, or ``dense``: the model dtype's
+weights through :mod:`~flashrt_ros.runtime.kernels.dense_gemv`), each projection shape of the presets
 (after fusion, and the LM head) and each row count, every candidate configuration is timed inside CUDA graphs
 (``bench_quant._time_calls_us``) and its output checked against the reference (wrong ones are skipped and
 reported); beside them cuBLAS bf16 ``F.linear`` on the dense weights and the long-piece path (dequantise + cuBLAS).
-Per (kind, N, K, rows bucket) the fastest correct configuration over the bucket's row counts is chosen; per kind,
-``fused_max_rows`` is the largest row count up to which the fused GEMV beats dequantise + cuBLAS summed over the
-shapes. The JSON has every timing; ``--write-table`` writes the module ``quant_gemv_configs.py`` with this device's
+Per (kind, N, K, rows bucket) the fastest correct configuration over the bucket's row counts is chosen (dense has
+one bucket: its rows share one configuration, so one reduction order); per quantized kind, ``fused_max_rows`` is
+the largest row count up to which the fused GEMV beats dequantise + cuBLAS summed over the shapes. The JSON has every timing; ``--write-table`` writes the module ``quant_gemv_configs.py`` with this device's
 entries merged into the table already in the tree: swept keys replace theirs, the others are kept, and
 ``fused_max_rows`` is replaced only by a sweep of more than one row count (copy it over
 flashrt_ros/runtime/kernels/quant_gemv_configs.py and commit it).
@@ -25,6 +27,7 @@ import pprint
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,6 +39,7 @@ from torch import nn  # noqa: E402
 from flashrt_ros.runtime import quant  # noqa: E402
 from flashrt_ros.tools.bench_quant import _time_calls_us  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
+from flashrt_ros.runtime.kernels import dense_gemv  # noqa: E402
 from flashrt_ros.runtime.kernels import quant_gemv as kq  # noqa: E402
 from flashrt_ros.runtime.kernels import quant_gemv_configs  # noqa: E402
 from flashrt_ros.runtime.model import Qwen35  # noqa: E402
@@ -57,23 +61,38 @@ def projection_shapes(preset: str) -> list[tuple[int, int]]:
 
 def candidates(kind: str, bucket: int) -> list[kq.GemvConfig]:
     """The configurations swept (splits resolved per shape by :func:`split_choices`)."""
+    if kind == kq.DENSE:
+        return [kq.GemvConfig(bn, bk, w, 3) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
+                if bn * bk <= 8192]
     if bucket == 1:
         return [kq.GemvConfig(bn, bk, w, s) for bn in (16, 32, 64) for bk in (256, 512) for w in (4, 8)
                 for s in (1, 3)] + [kq.GemvConfig(bn, 1024, 8, 1) for bn in (16, 32, 64)]
     return [kq.GemvConfig(bn, bk, w, 3) for bn in (32, 64) for bk in (128, 256) for w in (4, 8)]
 
 
-def split_choices(config: kq.GemvConfig, n: int, k: int, rows: int, device: torch.device) -> list[kq.GemvConfig]:
+def split_choices(config: kq.GemvConfig, n: int, k: int, rows: int, device: torch.device,
+                  kind: str = "") -> list[kq.GemvConfig]:
     """The configuration with one to four K slices, with the default's count (~4 programs per SM) and half of it
     (the few-slice counts let a grid that fills the GPU a little over a whole number of times be cut finer)."""
-    programs = -(-n // config.block_n) * -(-rows // kq.rows_bucket(rows))
+    programs = -(-n // config.block_n) * -(-rows // kq.rows_bucket(rows, kind))
     k_blocks = -(-k // config.block_k)
     default = kq._splits(device, programs, k_blocks, 0)
     counts = sorted({min(s, k_blocks) for s in (1, 2, 3, 4, default, max(1, default // 2))})
     return [config._replace(splits=s) for s in counts]
 
 
-def make_weight(kind: str, w: torch.Tensor, generator: torch.Generator) -> quant.QuantizedWeight:
+class DenseWeight(NamedTuple):
+    """The dense kind's weight, as the sweep handles a quantized one."""
+    w: torch.Tensor
+    fmt: str = kq.DENSE
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"w": self.w}
+
+
+def make_weight(kind: str, w: torch.Tensor, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16):
+    if kind == kq.DENSE:
+        return DenseWeight(w.to(dtype))
     if kind == "fp8-block":
         n, k = w.shape
         scale = torch.rand(-(-n // FP8_BLOCK), k // FP8_BLOCK, device=w.device, generator=generator) / k ** 0.5
@@ -81,7 +100,10 @@ def make_weight(kind: str, w: torch.Tensor, generator: torch.Generator) -> quant
     return quant.QUANTIZERS[kind](w)
 
 
-def _linears(weight: quant.QuantizedWeight):
+def _linears(weight):
+    """(fused, reference) of ``weight``'s kind."""
+    if weight.fmt == kq.DENSE:
+        return dense_gemv.dense_linear_triton, F.linear
     if weight.fmt == "fp8":
         return kq.fp8_linear_triton, kq.fp8_linear_reference
     return kq.nvfp4_linear_triton, kq.nvfp4_linear_reference
@@ -116,7 +138,7 @@ def sweep(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.de
         for kind in kinds:
             if kind == "fp8-block" and k % FP8_BLOCK:
                 continue
-            weight = make_weight(kind, dense.float(), generator)
+            weight = make_weight(kind, dense.float(), generator, dtype)
             setup[kind, n, k] = (weight, x, _linears(weight)[1](x, *weight.tensors().values()))
         for r in rows:
             baselines.append({"N": n, "K": k, "rows": r, "kind": "dense",
@@ -127,11 +149,12 @@ def sweep(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.de
             fused, _ = _linears(weight)
             tensors = tuple(weight.tensors().values())
             xr = x[:r].contiguous()
-            baselines.append({"N": n, "K": k, "rows": r, "kind": f"{kind} dequantise+gemm", "us": _time_calls_us(
-                device, lambda: F.linear(xr, kq.dequantize_triton(weight.q, weight.scale, weight.row_scale, dtype)),
-                repeats)})
-            for base in candidates_of(kind, kq.rows_bucket(r)):
-                for config in split_choices(base, n, k, r, device):
+            if kind != kq.DENSE:    # dense is measured against cuBLAS itself (the "dense" baselines)
+                baselines.append({"N": n, "K": k, "rows": r, "kind": f"{kind} dequantise+gemm", "us": _time_calls_us(
+                    device, lambda: F.linear(xr, kq.dequantize_triton(weight.q, weight.scale, weight.row_scale, dtype)),
+                    repeats)})
+            for base in candidates_of(kind, kq.rows_bucket(r, kind)):
+                for config in split_choices(base, n, k, r, device, kind):
                     if time.perf_counter() - started > budget_s:
                         untuned.append({"kind": kind, "N": n, "K": k, "rows": r})
                         break
@@ -151,7 +174,7 @@ def select(entries: list[dict], baselines: list[dict]) -> dict:
     times: dict[tuple, dict[tuple, list[float]]] = {}
     wanted: dict[tuple, set[int]] = {}
     for e in entries:
-        key = (e["kind"], e["N"], e["K"], kq.rows_bucket(e["rows"]))
+        key = (e["kind"], e["N"], e["K"], kq.rows_bucket(e["rows"], e["kind"]))
         wanted.setdefault(key, set()).add(e["rows"])
         per_config = times.setdefault(key, {}).setdefault(tuple(e["config"]), [])
         per_config.append(e["us"] if e["correct"] else float("nan"))
@@ -167,7 +190,7 @@ def select(entries: list[dict], baselines: list[dict]) -> dict:
             best[k] = min(best.get(k, float("inf")), e["us"])
     gemm = {(b["kind"].split()[0], b["N"], b["K"], b["rows"]): b["us"] for b in baselines if " " in b["kind"]}
     fused_max_rows = {}
-    for kind in sorted({k[0] for k in best}):
+    for kind in sorted({k[0] for k in best} - {kq.DENSE}):   # dense: the model's fixed dense_gemv.MAX_ROWS
         limit = 1
         for r in sorted({k[3] for k in best if k[0] == kind}):
             keys = [k for k in best if k[0] == kind and k[3] == r]
@@ -198,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", default="qwen3.5-0.8b,qwen3.6-27b")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
-    parser.add_argument("--kinds", default=",".join(kq.WEIGHT_KINDS), help="weight kinds to sweep")
+    parser.add_argument("--kinds", default=",".join(kq.WEIGHT_KINDS),
+                        help=f"weight kinds to sweep, of {','.join(kq.WEIGHT_KINDS + (kq.DENSE,))}")
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop timing candidates after this long")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")

@@ -23,6 +23,7 @@ from flashrt_ros.observation_queue import OVERLOAD_POLICIES
 from flashrt_ros.operations import as_float32
 from flashrt_ros.runtime import EngineConfig, FlashRTError, SamplingParams
 from flashrt_ros.runtime import quant
+from flashrt_ros.runtime.kernels import DENSE_GEMV_CHOICES
 from flashrt_ros.runtime.speculative import MAX_SPECULATIVE_TOKENS
 
 _INT_MAX = 2**31 - 1
@@ -38,6 +39,9 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
     ("cuda_graphs", True, "capture CUDA graphs for prefill/decode (ignored on cpu)", None, None),
     ("kernels", "auto", "kernel set: auto (Triton where a start-up probe passes, else reference) | triton | "
      "reference", None, ("auto", "triton", "reference")),
+    ("dense_gemv", "cublas", "dense projections of decode and speculative verify (<= 8 rows) with the Triton kernels: "
+     "cublas, or triton (one Triton GEMV each, with the norm, silu_mul and residual add fused; its capsules do not "
+     "move to a cublas engine)", None, DENSE_GEMV_CHOICES),
     ("weights_format", "dense", "weight quantization: dense (weights in dtype), fp8 (E4M3) or nvfp4 (4-bit)", None,
      quant.FORMATS),
     ("weights_exclude", "", "comma-separated patterns of projections kept dense, e.g. '*.linear_attn.*,lm_head'",
@@ -188,6 +192,7 @@ def read_settings(node) -> NodeSettings:
         engine=EngineConfig(
             model=p["model"], device=p["device"], dtype=p["dtype"], max_context=p["max_context"],
             prefill_chunk=p["prefill_chunk"], cuda_graphs=p["cuda_graphs"], kernels=p["kernels"],
+            dense_gemv=p["dense_gemv"],
             capsule_budget_bytes=p["capsule_budget_mb"] << 20, history_depth=p["history_depth"], seed=p["seed"],
             weights_format=p["weights_format"], weights_exclude=quant.parse_patterns(p["weights_exclude"]),
             capsule_budget_fraction=p["capsule_budget_fraction"], capsule_dir=p["capsule_dir"],

@@ -63,6 +63,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     use_fla: bool = True                # fla-core chunked kernel for long prefill pieces on CUDA when installed
     kernels: str = "auto"               # auto | triton | reference (see kernels.select)
+    dense_gemv: str = "cublas"          # cublas | triton: the dense projections of decode and verify (kernels.select)
     weights_format: str = "dense"       # dense | fp8 | nvfp4 (see quant.py)
     weights_exclude: tuple[str, ...] = ()   # fnmatch patterns of projections kept dense (``lm_head``: the LM head)
     capsule_budget_bytes: int = 256 << 20
@@ -92,6 +93,8 @@ class EngineConfig:
             raise bad(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
         if self.kernels not in kernel_sets.CHOICES:
             raise bad(f"kernels must be one of {list(kernel_sets.CHOICES)}, got {self.kernels!r}")
+        if self.dense_gemv not in kernel_sets.DENSE_GEMV_CHOICES:
+            raise bad(f"dense_gemv must be one of {list(kernel_sets.DENSE_GEMV_CHOICES)}, got {self.dense_gemv!r}")
         if self.history_depth < 1 or self.capsule_budget_bytes < 0:
             raise bad("history_depth must be >= 1 and capsule_budget_bytes >= 0")
         if self.weights_format not in quant.FORMATS:
@@ -164,7 +167,8 @@ class Engine:
         self.tokenizer = load_tokenizer(folder)
         self.arena = Arena(buffer_specs(self.model_config, cfg.max_context, dtype), self.device)
         self._position: int | None = None                     # see the position property
-        self.kernels, self.kernel_reason = kernel_sets.select(cfg.kernels, self.device, cfg.use_fla)
+        self.kernels, self.kernel_reason = kernel_sets.select(cfg.kernels, self.device, cfg.use_fla,
+                                                                 cfg.dense_gemv)
         _log.info("kernels: %s (%s)", self.kernels.name, self.kernel_reason)
         self.kernel_name = self.kernels.name
         self.model.bind(self.arena, self.kernels)
@@ -856,7 +860,7 @@ class Engine:
                     "manifest": self.arena.manifest_json(), "dtype": str(dtype),
                     "kernels": self.kernel_name, "device_type": self.device.type,
                     "prefill_chunk": self.config.prefill_chunk, "weights_format": self.weights_format}
-        if self.config.weights_format != "dense":
+        if self.config.weights_format != "dense" or self.kernels.dense_linear is not None:
             identity["gemv_table"] = quant_gemv.table_digest(self.device)
         return {plan: hashlib.sha256(json.dumps({**identity, "plan": plan}, sort_keys=True).encode()).hexdigest()
                 for plan in (PLAN_VERSION, SPECULATIVE_PLAN_VERSION)}

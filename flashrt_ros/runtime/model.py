@@ -17,6 +17,8 @@ from .config import ModelConfig
 from .kernels import KernelSet
 from .vision.encoder import VisionEncoder
 from .kernels.rope import mrope_components, mrope_rows
+from .kernels.dense_gemv import MAX_ROWS as GEMV_ROWS
+from .quant import QuantLinear
 
 
 # Prefill pieces up to this length run as one graph replay on CUDA, padded to a multiple of PIECE_BUCKET; the
@@ -51,6 +53,42 @@ def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
+@dataclasses.dataclass(frozen=True)
+class Normed:
+    """``rms_norm(x, scale, eps)``, left for the projection that reads it to compute in its prologue."""
+    x: torch.Tensor
+    scale: torch.Tensor
+    eps: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Gated:
+    """``silu_mul(gate_up)``, left for the projection that reads it to compute in its prologue."""
+    gate_up: torch.Tensor
+
+
+def _gemv(kernels: KernelSet, rows: int):
+    """The kernel set's dense GEMV when it takes ``rows`` rows, else None (cuBLAS through ``F.linear``)."""
+    return kernels.dense_linear if kernels.dense_linear is not None and rows <= GEMV_ROWS else None
+
+
+def project(module: nn.Module, x, kernels: KernelSet, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``[residual +] module(x)`` for ``x`` a tensor, a :class:`Normed` or a :class:`Gated` input [L, ...]. A dense
+    projection of few rows runs as the kernel set's dense GEMV with the input's norm or gate and the residual add
+    fused in; otherwise the kernel set computes the input and the module (cuBLAS, or a quantized GEMV) multiplies."""
+    tensor = x.x if isinstance(x, Normed) else x.gate_up if isinstance(x, Gated) else x
+    gemv = _gemv(kernels, tensor.shape[0]) if isinstance(module, nn.Linear) else None
+    if gemv is not None:
+        norm, eps = (x.scale, x.eps) if isinstance(x, Normed) else (None, 0.0)
+        return gemv(tensor, module.weight, norm, eps, isinstance(x, Gated), residual)
+    if isinstance(x, Normed):
+        tensor = kernels.rms_norm(x.x, x.scale, x.eps)
+    elif isinstance(x, Gated):
+        tensor = kernels.silu_mul(x.gate_up)
+    y = module(tensor)
+    return y if residual is None else residual + y
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -68,8 +106,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, kernels):
-        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x, kernels, residual=None):
+        return project(self.down_proj, Gated(project(self.gate_up_proj, x, kernels)), kernels, residual)
 
 
 class GatedDeltaNet(nn.Module):
@@ -89,12 +127,14 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(cfg.linear_value_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, conv_state, recurrent_state, count, dense: bool, kernels, step: "StepRows | None" = None,
-                index: int = 0):
+                index: int = 0, residual=None):
         """``step``: a decode or verify step (see :class:`StepRows`); ``index``: this layer's among the DeltaNet
-        layers (its slot in the step's per-row states)."""
-        cfg, length = self.cfg, x.shape[0]
+        layers (its slot in the step's per-row states); ``residual``: added to the output (see :func:`project`)."""
+        cfg = self.cfg
         heads, head_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        mixed, z, b, a = self.in_proj(x).split([cfg.conv_dim, cfg.linear_value_dim, heads, heads], dim=-1)
+        projected = project(self.in_proj, x, kernels)
+        length = projected.shape[0]
+        mixed, z, b, a = projected.split([cfg.conv_dim, cfg.linear_value_dim, heads, heads], dim=-1)
         if step is None:
             q, k, v = self._qkv(kernels.causal_conv(mixed, conv_state, self.conv1d.weight[:, 0, :], count))
             delta_rule = kernels.delta_rule_long if dense else kernels.gated_delta_rule
@@ -102,7 +142,7 @@ class GatedDeltaNet(nn.Module):
         else:
             core = self._step_rows(mixed, a, b, conv_state, recurrent_state, step, index, kernels)
         core = kernels.gated_rms_norm(core, z.unflatten(-1, (heads, head_dim)), self.norm.weight, cfg.rms_norm_eps)
-        return self.out_proj(core.reshape(length, cfg.linear_value_dim))
+        return project(self.out_proj, core.reshape(length, cfg.linear_value_dim), kernels, residual)
 
     def _qkv(self, mixed):
         cfg = self.cfg
@@ -143,29 +183,32 @@ class Attention(nn.Module):
     def write_kv(self, x, cos, sin, positions, kv_cache, count, kernels):
         """Project x, write its normalised, rotated keys and its values into ``kv_cache`` at ``positions`` (rows
         below ``count``); return the rotated queries [L, H, D] and the output gate [L, H, D]."""
-        cfg, length = self.cfg, x.shape[0]
+        cfg = self.cfg
         heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        query_gate, k, v = self.qkv_proj(x).split([heads * dim * 2, kv_heads * dim, kv_heads * dim], dim=-1)
+        projected = project(self.qkv_proj, x, kernels)
+        length = projected.shape[0]
+        query_gate, k, v = projected.split([heads * dim * 2, kv_heads * dim, kv_heads * dim], dim=-1)
         q, gate = query_gate.view(length, heads, 2 * dim).chunk(2, dim=-1)
         q = kernels.qk_norm_rope_kv_write(q, k.view(length, kv_heads, dim), v.view(length, kv_heads, dim),
                                           self.q_norm.scale, self.k_norm.scale, cfg.rms_norm_eps, cos, sin,
                                           kv_cache, positions, count)
         return q, gate
 
-    def forward(self, x, cos, sin, positions, kv_cache, kv_len: int, count, dense: bool, kernels):
+    def forward(self, x, cos, sin, positions, kv_cache, kv_len: int, count, dense: bool, kernels, residual=None):
         """kv_cache: this layer's [max_context, 2, Hkv, D] slice of the arena's position-major KV buffer.
 
         ``dense``: the queries are exactly the last L of ``kv_len`` positions (an eager prefill piece), so attention
         uses a flash kernel with an implicit causal bias; otherwise ``kv_len`` is a bucket and attention is masked.
+        ``residual``: added to the output (see :func:`project`).
         """
-        length = x.shape[0]
         q, gate = self.write_kv(x, cos, sin, positions, kv_cache, count, kernels)
+        length = q.shape[0]
         keys, values = kv_cache[:kv_len, 0], kv_cache[:kv_len, 1]
         if dense:
             out = kernels.attention_prefill(q, keys, values)
         else:
             out = kernels.attention_decode(q, keys, values, positions)
-        return self.o_proj((out * torch.sigmoid(gate)).reshape(length, -1))
+        return project(self.o_proj, (out * torch.sigmoid(gate)).reshape(length, -1), kernels, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -271,6 +314,7 @@ class Qwen35(nn.Module):
             if isinstance(module, RMSNorm):
                 module.scale = 1.0 + module.weight.float()
         self.arena, self.kernels = arena, kernels
+        self.dense_layers = not any(isinstance(m, QuantLinear) for m in self.model.layers.modules())
         max_context = arena["kv"].shape[0]
         device, dtype = arena["hidden"].device, arena["hidden"].dtype
         freqs = torch.arange(max_context, dtype=torch.float)[:, None] * rope_inv_freq(cfg)[None, :]
@@ -288,7 +332,12 @@ class Qwen35(nn.Module):
         head = getattr(self, "quantized_head", None)
         if head is not None:
             return head(hidden, out_features=vocab).float()
-        return F.linear(hidden, self.output_weight()[:vocab]).float()
+        weight = self.output_weight()[:vocab]
+        flat = hidden.reshape(-1, weight.shape[1])
+        gemv = _gemv(self.kernels, flat.shape[0])
+        if gemv is not None:
+            return gemv(flat, weight).reshape(*hidden.shape[:-1], -1).float()
+        return F.linear(hidden, weight).float()
 
     def rope_rows(self, positions: torch.Tensor, rope_positions: torch.Tensor | None = None):
         """cos, sin [L, R] of tokens at KV rows ``positions`` [L]: text tokens rotate at their row plus the arena's
@@ -320,22 +369,26 @@ class Qwen35(nn.Module):
         cos, sin = self.rope_rows(positions, rope_positions)
         embeds = self.model.embed_tokens(tokens) if embeds is None else embeds
         layers = self.model.layers
+        # fused: every projection is the dense GEMV, which norms its input and adds the residual (see _add_norm)
+        fused = self.dense_layers and _gemv(kernels, length) is not None
         x = embeds
-        h = kernels.rms_norm(x, layers[0].input_layernorm.scale, eps)
+        h = (Normed(x, layers[0].input_layernorm.scale, eps) if fused
+             else kernels.rms_norm(x, layers[0].input_layernorm.scale, eps))
         linear_idx = attn_idx = 0
         for index, layer in enumerate(layers):
+            residual = x if fused else None
             if layer.is_linear:
                 mixed = layer.linear_attn(h, arena["conv"][linear_idx], arena["recurrent"][linear_idx], count, dense,
-                                          kernels, step, linear_idx)
+                                          kernels, step, linear_idx, residual)
                 linear_idx += 1
             else:
                 mixed = layer.self_attn(h, cos, sin, positions, arena["kv"][:, attn_idx], kv_len, count, dense,
-                                        kernels)
+                                        kernels, residual)
                 attn_idx += 1
-            h, x = kernels.add_rms_norm(mixed, x, layer.post_attention_layernorm.scale, eps)
+            h, x = self._add_norm(mixed, x, layer.post_attention_layernorm, fused)
             following = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.model.norm
-            h, x = kernels.add_rms_norm(layer.mlp(h, kernels), x, following.scale, eps)
-        hidden = h                                            # the final norm's output
+            h, x = self._add_norm(layer.mlp(h, kernels, x if fused else None), x, following, fused)
+        hidden = kernels.rms_norm(h.x, h.scale, eps) if fused else h      # the final norm's output
         if step is not None and step.hidden is not None:
             step.hidden.copy_(hidden)
         if cfg.mtp_num_hidden_layers:
@@ -349,6 +402,14 @@ class Qwen35(nn.Module):
             arena["hidden"].copy_(hidden.index_select(0, last)[0])
             meta[LAST_TOKEN:LAST_TOKEN + 1].copy_(tokens.index_select(0, last))
             meta[POSITION] += count
+
+    def _add_norm(self, mixed, x, norm: RMSNorm, fused: bool):
+        """(the next sublayer's input, the residual stream) after a sublayer whose output is ``mixed``. Fused: the
+        sublayer's output projection has added the residual (``mixed`` is the stream) and the next projections norm
+        it in their prologue; else one add + norm kernel."""
+        if fused:
+            return Normed(mixed, norm.scale, self.cfg.rms_norm_eps), mixed
+        return self.kernels.add_rms_norm(mixed, x, norm.scale, self.cfg.rms_norm_eps)
 
     def _mtp_forward(self, embeds, hidden, cos, sin, positions, count, kernels) -> None:
         """Advance the MTP head's KV: the pair at position p is (hidden state before token p, embedding of token p).
@@ -364,8 +425,9 @@ class Qwen35(nn.Module):
     def _mtp_input(self, embeds, previous):
         """The MTP layer's input: fc(cat(norm(embedding of token p), norm(hidden state before p)))."""
         mtp, eps, kernels = self.mtp, self.cfg.rms_norm_eps, self.kernels
-        return mtp.fc(torch.cat([kernels.rms_norm(embeds, mtp.pre_fc_norm_embedding.scale, eps),
-                                 kernels.rms_norm(previous, mtp.pre_fc_norm_hidden.scale, eps)], dim=-1))
+        return project(mtp.fc, torch.cat([kernels.rms_norm(embeds, mtp.pre_fc_norm_embedding.scale, eps),
+                                          kernels.rms_norm(previous, mtp.pre_fc_norm_hidden.scale, eps)], dim=-1),
+                       kernels)
 
     def mtp_draft(self, token: torch.Tensor, previous: torch.Tensor, position: torch.Tensor,
                   kv_len: int) -> torch.Tensor:

@@ -5,12 +5,13 @@ device work (what a caller sees), medians and 99th percentiles over repeated run
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import torch
 
 from flashrt_ros.runtime.checksum import checksum
-from flashrt_ros.runtime.engine import Engine
+from flashrt_ros.runtime.engine import Engine, EngineConfig
 from flashrt_ros.runtime.model import rope_inv_freq
 
 from . import floors, ttft
@@ -181,6 +182,42 @@ def _decode_floors(engine: Engine, context: int, decode_ms: float, repeats: int)
     return out
 
 
+def decode_paths(config: EngineConfig, paths: list[str], contexts: list[int], decode_tokens: int,
+                 repeats: int) -> list[dict]:
+    """Decode ms/token of each dense GEMV path (``EngineConfig.dense_gemv``; one engine each, built in turn in this
+    process) after each context, against the weight floor (the decode step's weight bytes at the copy bandwidth,
+    both measured now) and the full floor (weights, state and KV). ``same_tokens``: its greedy tokens equal the
+    first path's (bf16 rounding may tip a near tie)."""
+    rows, bandwidth, first = [], None, {}
+    for path in paths:
+        engine = Engine(dataclasses.replace(config, dense_gemv=path))
+        bandwidth = bandwidth or floors.copy_bandwidth_bytes_per_s(engine.device)
+        for context in contexts:
+            engine.reset()
+            engine.ingest(prompt_tokens(engine.vocab_size, context, "bench-prefix"))
+            engine.snapshot(capsule_id="bench-decode")
+            list(engine.generate(2, stop_token_ids=()))                 # warm
+            times, tokens = [], []
+            for _ in range(repeats):
+                engine.restore("bench-decode")
+                tokens, ms = timed(engine.device, lambda: list(engine.generate(decode_tokens, stop_token_ids=())))
+                times.append(ms / max(1, len(tokens)))
+            engine.drop("bench-decode")
+            moved = floors.decode_bytes(engine, context)
+            weight_floor_ms = 1000.0 * moved["weight_bytes"] / bandwidth
+            decode_ms = statistics.median(times)
+            rows.append({"dense_gemv": path, "kernels": engine.kernel_name, "context": context,
+                         "decode_ms_per_token": decode_ms, "weight_floor_ms": weight_floor_ms,
+                         "decode_over_weight_floor": decode_ms / weight_floor_ms,
+                         "decode_floor_ms": 1000.0 * moved["total_bytes"] / bandwidth,
+                         "decode_over_floor": decode_ms * bandwidth / (1000.0 * moved["total_bytes"]),
+                         "same_tokens": first.setdefault(context, tokens) == tokens})
+        del engine
+        if config.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
 def cold_prefill_profile(engine: Engine, context: int, top: int = 12) -> list[dict]:
     """The device-time top entries of one cold prefill of ``context`` tokens (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -203,7 +240,8 @@ def device_is_cuda(engine: Engine) -> bool:
     return engine.device.type == "cuda"
 
 
-COLUMNS = [("context", "{}"), ("capsule_bytes", "{:,}"), ("snapshot_p50_ms", "{:.3f}"), ("snapshot_p99_ms", "{:.3f}"),
+COLUMNS = [("dense_gemv", "{}"), ("context", "{}"),
+           ("capsule_bytes", "{:,}"), ("snapshot_p50_ms", "{:.3f}"), ("snapshot_p99_ms", "{:.3f}"),
            ("restore_p50_ms", "{:.3f}"), ("restore_p99_ms", "{:.3f}"), ("copy_floor_p50_ms", "{:.3f}"),
            ("restore_over_floor", "{:.2f}"), ("delta_snapshot_p50_ms", "{:.3f}"), ("lineage_restore_p50_ms", "{:.3f}"),
            ("fork_p50_ms", "{:.3f}"), ("rollback_step_p50_ms", "{:.3f}"), ("rollback_capsule_p50_ms", "{:.3f}"),
@@ -212,7 +250,8 @@ COLUMNS = [("context", "{}"), ("capsule_bytes", "{:,}"), ("snapshot_p50_ms", "{:
            ("capsule_ttft_restore_ms", "{:.3f}"), ("capsule_ttft_suffix_prefill_ms", "{:.3f}"),
            ("capsule_ttft_first_token_ms", "{:.3f}"), ("capsule_ttft_host_overhead_ms", "{:.3f}"),
            ("ttft_speedup", "{:.1f}x"), ("decode_ms_per_token", "{:.2f}"), ("decode_floor_ms", "{:.3f}"),
-           ("decode_over_floor", "{:.2f}"), ("gemv_graph_ms", "{:.3f}"), ("decode_over_gemv_graph", "{:.2f}"),
+           ("decode_over_floor", "{:.2f}"), ("weight_floor_ms", "{:.3f}"), ("decode_over_weight_floor", "{:.2f}"),
+           ("same_tokens", "{}"), ("gemv_graph_ms", "{:.3f}"), ("decode_over_gemv_graph", "{:.2f}"),
            ("hf_cold_ttft_ms", "{:.2f}"), ("cold_ttft_over_hf", "{:.2f}"), ("hf_decode_step_ms", "{:.2f}"),
            ("decode_speedup_vs_hf", "{:.2f}x")]
 

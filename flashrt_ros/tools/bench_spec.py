@@ -106,8 +106,8 @@ def run(cfg: SpecBenchConfig) -> dict:
             "device_name": (torch.cuda.get_device_name(cfg.engine.device) if cfg.engine.device.startswith("cuda")
                             else "cpu"),
             "dtype": cfg.engine.dtype, "kernels": cfg.engine.kernels, "draft_vocab": cfg.engine.draft_vocab,
-            "prompts": cfg.prompts,
-            "context": cfg.context, "decode_tokens": cfg.decode_tokens, "repeats": cfg.repeats, "text": cfg.text,
+            "dense_gemv": cfg.engine.dense_gemv, "prompts": cfg.prompts, "context": cfg.context,
+            "decode_tokens": cfg.decode_tokens, "repeats": cfg.repeats, "text": cfg.text,
             "assumed_acceptance": cfg.assumed_acceptance, "commit": _commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch_threads": torch.get_num_threads(), "rows": rows,
             "token_identical": all(r["token_identical"] for r in rows)}

@@ -15,12 +15,13 @@ from flashrt_ros.runtime import quant
 from flashrt_ros.runtime.config import PRESETS
 from flashrt_ros.runtime.engine import _DTYPES, Engine, EngineConfig
 from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
+from flashrt_ros.runtime.kernels import DENSE_GEMV_CHOICES
 from flashrt_ros.runtime.sampler import SamplingParams
 from flashrt_ros.runtime.vision.preprocess import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 
 from . import (bench_capsules, bench_constraint, bench_image_ttft, bench_quant, bench_spec, bench_vision, plan,
                provenance, ttft)
-from .bench import bench_context, cold_prefill_profile, markdown_table
+from .bench import bench_context, cold_prefill_profile, decode_paths, markdown_table
 from .verify import verify
 
 
@@ -34,6 +35,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fla", action="store_true", help="use the reference delta-rule kernel on CUDA")
     parser.add_argument("--kernels", default="auto", choices=["auto", "triton", "reference"],
                         help="kernel set (auto: Triton where a start-up probe passes)")
+    parser.add_argument("--dense-gemv", default=EngineConfig.dense_gemv, choices=DENSE_GEMV_CHOICES,
+                        help="dense projections of decode and verify with the Triton kernel set: cuBLAS or its GEMV")
     parser.add_argument("--capsule-budget-mb", type=int, default=None)
     parser.add_argument("--weights-seed", type=int, default=0, help="weights seed for presets")
     parser.add_argument("--weights-format", default="dense", choices=quant.FORMATS, help="weight quantization")
@@ -47,6 +50,7 @@ def _config(args, max_context: int, chunk: int, budget_mb: int, checksum: bool =
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         max_context=args.max_context or max_context, prefill_chunk=args.prefill_chunk or chunk,
                         cuda_graphs=not args.no_cuda_graphs, use_fla=not args.no_fla, kernels=args.kernels,
+                        dense_gemv=args.dense_gemv,
                         capsule_budget_bytes=(args.capsule_budget_mb or budget_mb) << 20, seed=args.weights_seed,
                         checksum_on_snapshot=checksum, weights_format=args.weights_format,
                         weights_exclude=quant.parse_patterns(args.weights_exclude), draft_vocab=args.draft_vocab)
@@ -93,17 +97,29 @@ def cmd_bench(args) -> dict:
         raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "--compare-hf runs transformers on the dense weights: use "
                                                        "--weights-format dense (bench-quant compares the formats)")
     contexts = [int(c) for c in args.contexts.split(",")]
-    engine = Engine(_config(args, max(contexts) + 24 + args.decode_tokens + 8, ttft.BENCH_PREFILL_CHUNK,
-                            8192, checksum=False))
-    rows = [bench_context(engine, c, args.repeats, args.decode_tokens, args.compare_hf) for c in contexts]
-    result = {"model": args.model, "device": args.device, "dtype": args.dtype, "kernels": engine.kernel_name,
-              "kernel_reason": engine.kernel_reason, "cuda_graphs": len(engine.graphs.graphs),
-              "arena_bytes": engine.arena_bytes, "weights_format": engine.weights_format,
-              "platform": engine.platform.diagnostics(), "rows": rows}
-    if args.profile:
-        result["cold_prefill_profile"] = {"context": max(contexts),
-                                          "top": cold_prefill_profile(engine, max(contexts))}
-    return _report(result, markdown_table(rows), args.out)
+    paths = [p for p in args.dense_gemv_paths.split(",") if p]
+    if set(paths) - set(DENSE_GEMV_CHOICES) or (args.decode_only and not paths):
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"--dense-gemv-paths takes some of {DENSE_GEMV_CHOICES} "
+                                                       f"(needed with --decode-only), got {args.dense_gemv_paths!r}")
+    config = _config(args, max(contexts) + 24 + args.decode_tokens + 8, ttft.BENCH_PREFILL_CHUNK, 8192,
+                     checksum=False)
+    result, tables = {"model": args.model, "device": args.device, "dtype": args.dtype}, []
+    if not args.decode_only:
+        engine = Engine(config)
+        rows = [bench_context(engine, c, args.repeats, args.decode_tokens, args.compare_hf) for c in contexts]
+        result.update({"kernels": engine.kernel_name, "kernel_reason": engine.kernel_reason,
+                       "cuda_graphs": len(engine.graphs.graphs), "arena_bytes": engine.arena_bytes,
+                       "weights_format": engine.weights_format, "platform": engine.platform.diagnostics(),
+                       "rows": rows})
+        if args.profile:
+            result["cold_prefill_profile"] = {"context": max(contexts),
+                                              "top": cold_prefill_profile(engine, max(contexts))}
+        tables.append(markdown_table(rows))
+        del engine
+    if paths:
+        result["dense_gemv_decode"] = decode_paths(config, paths, contexts, args.decode_tokens, args.repeats)
+        tables.append(markdown_table(result["dense_gemv_decode"]))
+    return _report(result, "\n\n".join(tables), args.out)
 
 
 def cmd_bench_quant(args) -> dict:
@@ -201,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--decode-tokens", type=int, default=32)
     ben.add_argument("--compare-hf", action="store_true", help="also time transformers on the same weights")
     ben.add_argument("--profile", action="store_true", help="also profile one cold prefill at the largest context")
+    ben.add_argument("--dense-gemv-paths", default="", help="also decode with each of these dense GEMV paths, "
+                     "e.g. cublas,triton: ms/token side by side against the weight floor")
+    ben.add_argument("--decode-only", action="store_true", help="only the --dense-gemv-paths decode comparison")
     ben.add_argument("--out", help="write the JSON result here too")
     ben.set_defaults(func=cmd_bench)
     bq = sub.add_parser("bench-quant", help="weight formats side by side: decode, TTFT, GEMVs, fidelity")

@@ -16,15 +16,16 @@ from ._triton import IMPORT_ERROR, triton
 from .activations import silu_mul, silu_mul_triton
 from .attention import attention_causal, attention_decode_triton, attention_masked, attention_prefill
 from .conv import causal_conv, causal_conv_triton
+from .dense_gemv import dense_linear, dense_linear_triton
 from .delta_rule import (delta_rule_chunked, delta_rule_fla, delta_rule_gates, delta_rule_recurrent, fla_available,
                          gated_delta_rule_reference, gated_delta_rule_triton)
 from .norms import (add_rms_norm, add_rms_norm_triton, gated_rms_norm, gated_rms_norm_triton, l2norm, rms_norm,
                     rms_norm_triton)
 from .rope import apply_rope, qk_norm_rope_kv_write, qk_norm_rope_kv_write_triton
 
-__all__ = ["CHOICES", "KernelSet", "REFERENCE", "TRITON", "apply_rope", "attention_causal", "attention_masked",
-           "causal_conv", "delta_rule_chunked", "delta_rule_fla", "delta_rule_recurrent", "fla_available",
-           "gated_rms_norm", "l2norm", "rms_norm", "select"]
+__all__ = ["CHOICES", "DENSE_GEMV_CHOICES", "KernelSet", "REFERENCE", "TRITON", "apply_rope", "attention_causal",
+           "attention_masked", "causal_conv", "delta_rule_chunked", "delta_rule_fla", "delta_rule_recurrent",
+           "fla_available", "gated_rms_norm", "l2norm", "rms_norm", "select"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class KernelSet:
     delta_rule_long: Callable      # eager pieces > SMALL_PIECE
     attention_decode: Callable     # queries at arbitrary positions over a KV bucket
     attention_prefill: Callable    # queries that are the last L of exactly T positions
+    dense_linear: Callable | None = None   # dense projections of <= dense_gemv.MAX_ROWS rows (None: F.linear, cuBLAS)
 
 
 REFERENCE = KernelSet(
@@ -65,15 +67,25 @@ def _with_fla(kernels: KernelSet) -> KernelSet:
     return dataclasses.replace(kernels, name=f"{kernels.name}+fla", delta_rule_long=_gated_delta_rule_fla)
 
 
+def _with_dense_gemv(kernels: KernelSet) -> KernelSet:
+    return dataclasses.replace(kernels, name=f"{kernels.name}+gemv", dense_linear=dense_linear_triton)
+
+
 CHOICES = ("auto", "triton", "reference")
+DENSE_GEMV_CHOICES = ("cublas", "triton")   # dense projections of decode and verify: F.linear, or dense_gemv's
 
 
-def select(choice: str, device: torch.device, use_fla: bool) -> tuple[KernelSet, str]:
+def select(choice: str, device: torch.device, use_fla: bool, dense_gemv: str = "cublas") -> tuple[KernelSet, str]:
     """The kernel set for ``device`` and why. ``auto``: on CUDA, Triton where a start-up probe compiles and runs a
     kernel on the device and matches the reference, else the reference; on the CPU, the reference. ``triton``
-    insists (raises if it cannot run); on the CPU it needs Triton's interpreter (TRITON_INTERPRET=1, for tests)."""
+    insists (raises if it cannot run); on the CPU it needs Triton's interpreter (TRITON_INTERPRET=1, for tests).
+    ``dense_gemv`` ``triton``: the Triton set also multiplies the dense projections of up to
+    ``dense_gemv.MAX_ROWS`` rows (decode, verify) with :func:`.dense_gemv.dense_linear_triton` and its fusions,
+    where a probe of that kernel passes too (else ``F.linear``, with the reason; the reference set keeps it)."""
     if choice not in CHOICES:
         raise ValueError(f"kernels must be one of {CHOICES}, got {choice!r}")
+    if dense_gemv not in DENSE_GEMV_CHOICES:
+        raise ValueError(f"dense_gemv must be one of {DENSE_GEMV_CHOICES}, got {dense_gemv!r}")
     fla = use_fla and device.type == "cuda" and fla_available()
     chosen, reason = REFERENCE, "reference kernels requested"
     if choice == "auto" and device.type != "cuda":
@@ -86,24 +98,49 @@ def select(choice: str, device: torch.device, use_fla: bool) -> tuple[KernelSet,
             raise RuntimeError(f"triton kernels requested but unusable: {failure}")
         else:
             reason = f"reference kernels: {failure}"
-    return (_with_fla(chosen) if fla else chosen), reason
+    fast = chosen is TRITON
+    chosen = _with_fla(chosen) if fla else chosen
+    if fast and dense_gemv == "triton":
+        failure = _probe_triton(device, _dense_gemv_case)
+        if failure is None:
+            chosen = _with_dense_gemv(chosen)
+        else:
+            reason = f"{reason}; dense projections stay F.linear: {failure}"
+    return chosen, reason
 
 
-def _probe_triton(device: torch.device) -> str | None:
-    """None when a small Triton kernel compiles, runs on ``device`` and matches its reference; else why not."""
+def _rms_norm_case(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """(Triton's output, the reference's, rtol, atol) of the start-up probe's RMSNorm."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=generator).to(device)
+    scale = (1.0 + 0.1 * torch.randn(64, generator=generator)).to(device)
+    return TRITON.rms_norm(x, scale, 1e-6), rms_norm(x, scale, 1e-6), 1e-4, 1e-5
+
+
+def _dense_gemv_case(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """The dense GEMV's probe: two bf16 rows (tensor cores, as decode runs it) normed, with a residual; within a
+    bf16 step of the largest output."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight, residual = (torch.randn(*shape, generator=generator).bfloat16().to(device)
+                           for shape in ((2, 64), (48, 64), (2, 48)))
+    norm = (1.0 + 0.1 * torch.randn(64, generator=generator)).to(device)
+    args = (x, weight, norm, 1e-6, False, residual)
+    want = dense_linear(*args)
+    return dense_linear_triton(*args), want, 2.0 ** -7, 2.0 ** -7 * float(want.float().abs().max())
+
+
+def _probe_triton(device: torch.device, case=_rms_norm_case) -> str | None:
+    """None when a small Triton kernel (``case``) compiles, runs on ``device`` and matches its reference; else why
+    not."""
     if triton is None:
         return f"triton is not importable ({IMPORT_ERROR})"
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "triton runs on the CPU only through its interpreter (TRITON_INTERPRET=1)"
     try:
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(4, 64, generator=generator).to(device)
-        scale = (1.0 + 0.1 * torch.randn(64, generator=generator)).to(device)
-        got = TRITON.rms_norm(x, scale, 1e-6)
-        want = rms_norm(x, scale, 1e-6)
+        got, want, rtol, atol = case(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        if not torch.allclose(got.float(), want.float(), rtol=rtol, atol=atol):
             return "triton probe kernel ran but disagreed with the reference"
     except Exception as err:  # noqa: BLE001 - e.g. ptxas cannot build for this GPU (Jetson Thor sm_110)
         return f"triton probe failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from . import quant_gemv_configs
+from ._rounding import round_like
 from ._triton import INTERPRETED, jit, tl, triton
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitudes of codes 0-7; bit 3 is the sign
@@ -46,6 +47,8 @@ RUN = 16                            # decode sums runs of this many products bef
 GEMV_MAX_ROWS = 256                 # the most rows the fused kernel takes (QuantLinear sends fewer: fused_max_rows)
 ROW_BUCKETS = (1, 16, 32, 64)       # rows per program (BLOCK_L); the table's rows key; more rows: more programs
 WEIGHT_KINDS = ("fp8", "fp8-block", "nvfp4")   # the table's weight key: fp8 per channel, fp8 block-scaled, nvfp4
+DENSE = "dense"                     # the table's weight key of the dense GEMV (:mod:`.dense_gemv`)
+DENSE_ROWS = 16                     # its one rows bucket: 1..16 rows share one configuration, so one reduction order
 _DEQUANT_BLOCK_N, _DEQUANT_BLOCK_K = 32, 256
 
 
@@ -59,7 +62,9 @@ class GemvConfig(NamedTuple):
     splits: int = 0
 
 
-def rows_bucket(rows: int) -> int:
+def rows_bucket(rows: int, kind: str = "") -> int:
+    if kind == DENSE:
+        return DENSE_ROWS
     return next((b for b in ROW_BUCKETS if b >= rows), ROW_BUCKETS[-1])
 
 
@@ -69,7 +74,9 @@ def weight_kind(nvfp4: bool, group: int, k: int) -> str:
 
 def default_config(kind: str, n: int, k: int, bucket: int) -> GemvConfig:
     """The heuristic for shapes and devices the table does not list (decode: a tile with few instructions per
-    weight in sm_90's SASS for both formats, ``bench/gemv_sass.py``)."""
+    weight in sm_90's SASS for both formats, ``bench/gemv_sass.py``; dense: a tensor-core tile of all rows)."""
+    if kind == DENSE:
+        return GemvConfig(32, 128, 4, 3)
     return GemvConfig(32, 512, 4, 1) if bucket == 1 else GemvConfig(32, 256, 4, 3)
 
 
@@ -79,7 +86,7 @@ def device_name(device: torch.device) -> str:
 
 def gemv_config(kind: str, n: int, k: int, rows: int, device: torch.device) -> GemvConfig:
     """The table's configuration for this launch, else :func:`default_config`: a function of shape and device only."""
-    bucket = rows_bucket(rows)
+    bucket = rows_bucket(rows, kind)
     entry = quant_gemv_configs.TABLE.get(device_name(device), {}).get("configs", {}).get((kind, n, k, bucket))
     return GemvConfig(*entry) if entry else default_config(kind, n, k, bucket)
 
@@ -417,9 +424,9 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrival
     at = tokens[:, None] * N + rows[None, :]
     mask = token_ok[:, None] & row_ok[None, :]
     if SPLIT:
-        _sum_slices_when_last(result, out_ptr, partial_ptr, arrivals_ptr, at, mask, L * N, ASM)
+        _sum_slices_when_last(result, out_ptr, out_ptr, partial_ptr, arrivals_ptr, at, mask, L * N, False, ASM)
     else:
-        tl.store(out_ptr + at, result.to(out_ptr.dtype.element_ty), mask=mask)
+        store_tile(result, out_ptr, out_ptr, at, mask, False)
 
 
 @jit
@@ -431,11 +438,23 @@ def _fence(tile, ASM: tl.constexpr):
 
 
 @jit
-def _sum_slices_when_last(result, out_ptr, partial_ptr, arrivals_ptr, at, mask, SLICE, ASM: tl.constexpr):
+def store_tile(value, out_ptr, res_ptr, at, mask, RESIDUAL: tl.constexpr):
+    """fp32 ``value`` rounded to the output's dtype (to nearest even, in the interpreter too) and stored at
+    ``out[at]``; with RESIDUAL first ``res[at] +`` it, rounded again: the reference's ``residual + F.linear(...)``."""
+    value = round_like(value, out_ptr)
+    if RESIDUAL:
+        value = round_like(tl.load(res_ptr + at, mask=mask, other=0).to(tl.float32) + value, out_ptr)
+    tl.store(out_ptr + at, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _sum_slices_when_last(result, out_ptr, res_ptr, partial_ptr, arrivals_ptr, at, mask, SLICE,
+                          RESIDUAL: tl.constexpr, ASM: tl.constexpr):
     """Split K: each program stores its slice's fp32 partial; the last of an output tile's slices to arrive (a
     counter per tile) sums all of them in slice order, so the result does not depend on which one that is, writes
-    it in the output's dtype and resets the counter for the next launch. One kernel, where summing the partials
-    with torch would take two more (a reduction and a cast) per call.
+    it in the output's dtype (:func:`store_tile`, with the residual add when RESIDUAL) and resets the counter for
+    the next launch. One kernel, where summing the partials with torch would take two more (a reduction and a
+    cast) per call.
 
     Ordering: every thread fences its stores before the CTA barrier, one thread counts the arrival with an
     acquire-release atomic, and the last program fences again before it reads the partials from L2 (``.cg``:
@@ -450,7 +469,7 @@ def _sum_slices_when_last(result, out_ptr, partial_ptr, arrivals_ptr, at, mask, 
         total = tl.zeros(result.shape, dtype=tl.float32)
         for s in range(tl.num_programs(1)):
             total += tl.load(partial_ptr + s * SLICE + at, mask=mask, other=0, cache_modifier=".cg")
-        tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
+        store_tile(total, out_ptr, res_ptr, at, mask, RESIDUAL)
         tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
