@@ -37,7 +37,7 @@ def _decode_ms(engine: Engine, tokens: int, constraint, sampling: SamplingParams
 def _mask_ms(engine: Engine, constraint, tokens: list[int]) -> tuple[list[float], list[float]]:
     """The mask (bitmask + copy to the device) and the accept of each token, replayed on a fresh matcher."""
     live = Constraint(engine._llg(), constraint)
-    words = engine._mask_words
+    words = engine._mask_words[0]
     masks, accepts = [], []
     for token in tokens:
         started = time.perf_counter()
