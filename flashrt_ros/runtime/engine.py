@@ -164,6 +164,8 @@ class Engine:
                                                   STEP_ROWS if cfg.speculative_tokens else 1)
         self._mask_lookup = constraints.mask_lookup(self.model_config.vocab_size, self.device)
         self.constraint: Constraint | None = None
+        self._mask_of: tuple[Constraint, int] | None = None     # the matcher state the mask words hold the mask of
+        self._token_host = torch.zeros(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._llg_tokenizer = None
         self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET, STEP_ROWS), dtype=torch.int64,
                                    device=self.device)
@@ -274,13 +276,49 @@ class Engine:
                           PIECE_BUCKET))
 
     def _decode_step(self, greedy: bool, kv_len: int):
-        """The plain plan's decode step: one row (speculative_tokens 0)."""
+        """The plain plan's decode step: one row (speculative_tokens 0): the masked pick, then the forward."""
+        sample, forward = self._sample_step(greedy), self._forward_step(kv_len)
+
         def step():
+            sample()
+            forward()
+        return step
+
+    def _sample_step(self, greedy: bool):
+        """The first part of the plain decode step: the next token, masked, into ``_tokens[0]``."""
+        def sample():
             logits = constraints.apply_mask(self.model.logits(), self._mask_words[0], self._mask_lookup)
             token = self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
             self._tokens[:1].copy_(token)
-            self.model.forward(self._tokens[:1], kv_len)
-        return step
+        return sample
+
+    def _forward_step(self, kv_len: int):
+        """The second part: the model over ``_tokens[0]``."""
+        return lambda: self.model.forward(self._tokens[:1], kv_len)
+
+    def _overlapped_step(self, greedy: bool, kv_len: int) -> int:
+        """A constrained plain decode step whose next mask costs no device time: the pick runs (its own graph), the
+        forward is launched (its own graph), and while the device runs it the matcher accepts the picked token and
+        computes the next token's mask, whose copy into the mask words the stream orders after the forward. Returns
+        the token (accepted)."""
+        self.graphs.run(("sample", greedy), self._sample_step(greedy))
+        self._token_host.copy_(self._tokens[:1], non_blocking=True)
+        picked = torch.cuda.Event() if self.device.type == "cuda" else None
+        if picked is not None:
+            picked.record()
+        self.graphs.run(("forward", kv_len), self._forward_step(kv_len))
+        if picked is not None:
+            picked.synchronize()              # the pick only: the forward goes on
+        token = int(self._token_host[0])
+        self.constraint.accept(token)
+        if not self.constraint.stopped:
+            self._fill_mask()
+        return token
+
+    def _fill_mask(self) -> None:
+        """The live matcher's mask of the next token into the mask words (row 0), noting which state it is of."""
+        self.constraint.fill_mask(self._mask_words[0])
+        self._mask_of = (self.constraint, len(self.constraint.tokens))
 
     def _step(self, drafts: int, greedy: bool, kv_len: int):
         """The graph key and the function of a decode step with ``drafts`` drafts: the plain plan's one-row step,
@@ -317,6 +355,8 @@ class Engine:
             self._tokens.zero_()
             self._count.fill_(1)
         for kv_len in self.kv_buckets:
+            if self.stepper is None:          # a constrained plain step's two parts (_overlapped_step)
+                self.graphs.capture(("forward", kv_len), self._forward_step(kv_len), prepare)
             for greedy, k in itertools.product((True, False), range(self.config.speculative_tokens + 1)):
                 self.graphs.capture(*self._step(k, greedy, kv_len), prepare)
                 if k:         # a constrained step's two parts (_constrained_step)
@@ -325,6 +365,9 @@ class Engine:
                                         prepare)
             for bucket in self._piece_buckets():
                 self.graphs.capture(("piece", bucket, kv_len), self._piece_step(bucket, kv_len), prepare)
+        if self.stepper is None:
+            for greedy in (True, False):
+                self.graphs.capture(("sample", greedy), self._sample_step(greedy), prepare)
         torch.cuda.synchronize(self.device)
 
     def _feed(self, start: int, token_ids: Sequence[int]) -> None:
@@ -450,13 +493,20 @@ class Engine:
             kv_len = self._kv_bucket(position + 1)
             self.live.rows.truncate(position)
             self._moved_to(None)
-            if self.constraint is not None:
-                self.constraint.fill_mask(self._mask_words[0])
-            if drafts and self.constraint is not None:
-                self._constrained_step(drafts, params.greedy, kv_len)
+            constrained = self.constraint is not None
+            if constrained and self._mask_of != (self.constraint, len(self.constraint.tokens)):
+                self._fill_mask()             # else the step before computed it (_overlapped_step)
+            accepted = constrained and self.stepper is None
+            if accepted:
+                tokens = [self._overlapped_step(params.greedy, kv_len)]
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()     # the forward done, as tolist() below
             else:
-                self.graphs.run(*self._step(drafts, params.greedy, kv_len))
-            tokens = self._tokens[:drafts + 1].tolist()
+                if drafts and constrained:
+                    self._constrained_step(drafts, params.greedy, kv_len)
+                else:
+                    self.graphs.run(*self._step(drafts, params.greedy, kv_len))
+                tokens = self._tokens[:drafts + 1].tolist()
             committed = int(self.stepper.committed) if drafts else 1
             if drafts:
                 self.stepper.invalidate(position + committed, position + drafts + 1)
@@ -472,8 +522,9 @@ class Engine:
             for row, token in enumerate(tokens[:committed]):
                 if drafts:
                     self.stepper.commit(row)
-                if self.constraint is not None:
-                    self.constraint.accept(token)
+                if constrained:
+                    if not accepted:
+                        self.constraint.accept(token)
                     if self.constraint.stopped:
                         stops = stops | {token}
                 self._moved_to(position + row + 1)
