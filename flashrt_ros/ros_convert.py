@@ -40,7 +40,8 @@ def observation_in(msg: Observation) -> ObservationInput:
     return ObservationInput(text=msg.text, token_ids=[int(t) for t in msg.token_ids],
                             values=[float(v) for v in msg.values], max_new_tokens=msg.max_new_tokens,
                             priority=msg.priority, snapshot_label=msg.snapshot_label,
-                            stamp_ns=time_to_ns(msg.header.stamp))
+                            stamp_ns=time_to_ns(msg.header.stamp), json_schema=msg.json_schema, grammar=msg.grammar,
+                            output_type=msg.output_type)
 
 
 def session_kwargs(op: Operation, request) -> dict:
@@ -78,7 +79,8 @@ def action_chunk(out: ActionOutput, stamp: Time) -> ActionChunk:
 
 def observation_msg(obs: ObservationInput) -> Observation:
     msg = Observation(text=obs.text, token_ids=list(obs.token_ids), values=list(obs.values),
-                      max_new_tokens=obs.max_new_tokens, priority=obs.priority, snapshot_label=obs.snapshot_label)
+                      max_new_tokens=obs.max_new_tokens, priority=obs.priority, snapshot_label=obs.snapshot_label,
+                      json_schema=obs.json_schema, grammar=obs.grammar, output_type=obs.output_type)
     msg.header.stamp = ns_to_time(obs.stamp_ns)
     return msg
 
