@@ -74,22 +74,23 @@ def test_greedy_constrained_speculation_equals_the_constrained_plan_without_draf
     """Three schemas x two prompts, k = 1, 2, 4: the tokens equal the oracle's, the outputs complete and validate,
     the live state's bytes at the end equal the oracle's, and drafts were accepted (the verify rows' masks were
     used). The one-row plan gives the same tokens on this model (a check, not the oracle). With Triton's
-    interpreter one schema and prompt, k = 1 and 4."""
+    interpreter (slow: minutes) one schema and prompt, k = 2, no one-row check."""
     if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on the CPU runs through its interpreter (test/conftest.py sets TRITON_INTERPRET=1)")
-    oracle, plain = engine(eos_model, 1, kernels=kernels), engine(eos_model, 0, kernels=kernels)
+    oracle, plain = engine(eos_model, 1, kernels=kernels), engine(eos_model, 0, kernels="reference")
     cases = [(prompt, schema) for prompt in prompts(eos_model, oracle, 2, 24) for schema in SCHEMAS]
     drafts = (1, 2, 4)
     if kernels == "triton":
-        cases, drafts = cases[:1], (1, 4)
+        cases, drafts = cases[:1], (2,)
     wants, states = [], []
     for prompt, schema in cases:
         start(oracle, prompt, schema)
         wants.append(undrafted(oracle, 60))
         completed_json(oracle, wants[-1], schema)
         states.append(oracle.live_bytes())
-        start(plain, prompt, schema)
-        assert list(plain.generate(60)) == wants[-1]
+        if kernels == "reference":
+            start(plain, prompt, schema)
+            assert list(plain.generate(60)) == wants[-1]
     for k in drafts:
         spec = engine(eos_model, k, kernels=kernels)
         for (prompt, schema), want, state in zip(cases, wants, states):
