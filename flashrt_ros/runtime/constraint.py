@@ -105,9 +105,14 @@ class Constraint:
     def state(self) -> ConstraintState:
         return ConstraintState(self.grammar, tuple(self.tokens))
 
-    def fill_mask(self, words: torch.Tensor) -> None:
-        """Compute the allowed next tokens on the CPU and copy the bitmask into the device buffer ``words``."""
-        words.copy_(self._bitmask(words.numel()), non_blocking=True)
+    def fill_mask(self, words: torch.Tensor, staging: torch.Tensor | None = None) -> None:
+        """Compute the allowed next tokens on the CPU and copy the bitmask into the device buffer ``words``, through
+        ``staging`` (pinned host words: a copy the device stream orders, which the host does not wait for) if
+        given."""
+        bits = self._bitmask(words.numel())
+        if staging is not None:
+            bits = staging.copy_(bits)
+        words.copy_(bits, non_blocking=True)
 
     def fill_verify_masks(self, tokens: Sequence[int], words: torch.Tensor) -> None:
         """The masks of a speculative step's verify rows, into ``words[1:]``: ``tokens[0]`` is the step's picked

@@ -166,6 +166,8 @@ class Engine:
         self.constraint: Constraint | None = None
         self._mask_of: tuple[Constraint, int] | None = None     # the matcher state the mask words hold the mask of
         self._token_host = torch.zeros(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._mask_host = torch.zeros(self._mask_words.shape[1], dtype=torch.int32,    # staging of the next mask
+                                      pin_memory=self.device.type == "cuda")
         self._llg_tokenizer = None
         self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET, STEP_ROWS), dtype=torch.int64,
                                    device=self.device)
@@ -317,7 +319,7 @@ class Engine:
 
     def _fill_mask(self) -> None:
         """The live matcher's mask of the next token into the mask words (row 0), noting which state it is of."""
-        self.constraint.fill_mask(self._mask_words[0])
+        self.constraint.fill_mask(self._mask_words[0], self._mask_host)
         self._mask_of = (self.constraint, len(self.constraint.tokens))
 
     def _step(self, drafts: int, greedy: bool, kv_len: int):
