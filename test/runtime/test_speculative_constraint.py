@@ -150,3 +150,35 @@ def test_every_completed_speculative_output_validates_against_its_schema(eos_mod
 @pytest.fixture(scope="module")
 def speculative(eos_model):
     return engine(eos_model, 3)
+
+
+def test_a_session_preempts_and_resumes_a_constrained_speculative_goal(eos_model, speculative):
+    """The node's Session on a speculative engine: a json_schema goal preempted between two tokens (inside a step)
+    by an urgent, unconstrained observation and resumed gives the uninterrupted goal's tokens, which validate."""
+    from flashrt_ros.discretiser import Discretiser
+    from flashrt_ros.session import PRIORITY_URGENT, ObservationInput, Session
+
+    def finish(generation):
+        while generation.step():
+            pass
+        return generation.outcome.result()
+
+    prompt = prompts(eos_model, speculative, 2, 20)
+    goal = ObservationInput(token_ids=prompt[0], max_new_tokens=120)
+    fields = {"json_schema": json.dumps(SAMPLED_SCHEMA), "reseed": True, "seed": 5, "override_sampling": True,
+              "temperature": SAMPLED.temperature, "top_k": SAMPLED.top_k, "top_p": SAMPLED.top_p}
+    speculative.reset()
+    session = Session(speculative, discretiser=Discretiser(bins=8, token_offset=0), emit=lambda _: None,
+                      stream_chunk_tokens=4)
+    whole = finish(session.generate(goal, **fields))
+    assert whole.finish_reason == "stop" and whole.acceptance_rate > 0
+    completed_json(speculative, whole.token_ids, SAMPLED_SCHEMA)
+    first = session.generate(goal, **fields)
+    for _ in range(3):                 # three chunks of 4: token 12 is inside a step of 1 + 3 drafts at most
+        first.step()
+    finish(session.observe(ObservationInput(token_ids=prompt[1][:5], max_new_tokens=3, priority=PRIORITY_URGENT)))
+    interrupted = first.outcome.result()
+    assert interrupted.finish_reason == "preempted"
+    session.resume()
+    resumed = finish(session.active)
+    assert interrupted.token_ids + resumed.token_ids == whole.token_ids and resumed.finish_reason == "stop"
