@@ -47,9 +47,11 @@ _VALUE_BYTES = 4  # int32 token ids and float32 values, as in the message
 
 
 def observation_bytes(obs: ObservationInput) -> int:
-    """What an observation holds in the queue: its text, ids, values, images' RGB pixels and label (at least 1)."""
+    """What an observation holds in the queue: its text, ids, values, images' RGB pixels, label and constraint (at
+    least 1)."""
     return max(1, len(obs.text.encode()) + _VALUE_BYTES * (len(obs.token_ids) + len(obs.values))
-               + sum(image.rgb.nbytes for image in obs.images) + len(obs.snapshot_label.encode()))
+               + sum(image.rgb.nbytes for image in obs.images)
+               + sum(len(s.encode()) for s in (obs.snapshot_label, *obs.constraint_fields().values())))
 
 
 def _ends_group(obs: ObservationInput) -> bool:

@@ -56,7 +56,8 @@ def observation_in(msg: Observation, limits: image_convert.ImageLimits = image_c
     obs = ObservationInput(text=msg.text, token_ids=[int(t) for t in msg.token_ids],
                            values=[float(v) for v in msg.values], max_new_tokens=msg.max_new_tokens,
                            priority=msg.priority, snapshot_label=msg.snapshot_label,
-                           stamp_ns=time_to_ns(msg.header.stamp))
+                           stamp_ns=time_to_ns(msg.header.stamp), json_schema=msg.json_schema, grammar=msg.grammar,
+                           output_type=msg.output_type)
     try:
         obs.images = [Image(rgb=rgb) for rgb in limits.convert(msg.images)]
     except FlashRTError as error:
@@ -101,7 +102,8 @@ def observation_msg(obs: ObservationInput, pixels: bool = True) -> Observation:
     """The message of an observation; its images as rgb8 (``data`` left empty unless ``pixels``)."""
     msg = Observation(text=obs.text, token_ids=list(obs.token_ids), values=list(obs.values),
                       max_new_tokens=obs.max_new_tokens, priority=obs.priority, snapshot_label=obs.snapshot_label,
-                      images=[ImageMsg(**image_convert.rgb8_fields(image.rgb, pixels)) for image in obs.images])
+                      images=[ImageMsg(**image_convert.rgb8_fields(image.rgb, pixels)) for image in obs.images],
+                      json_schema=obs.json_schema, grammar=obs.grammar, output_type=obs.output_type)
     msg.header.stamp = ns_to_time(obs.stamp_ns)
     return msg
 

@@ -87,6 +87,12 @@ class ObservationInput:
     priority: int = PRIORITY_NORMAL
     snapshot_label: str = ""
     stamp_ns: int = 0
+    json_schema: str = ""       # the output's constraint (max_new_tokens > 0), as a Generate goal's fields
+    grammar: str = ""
+    output_type: str = ""
+
+    def constraint_fields(self) -> dict:
+        return {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
 
 
 @dataclass
@@ -397,7 +403,7 @@ class Session:
 
         def run():  # every check before the running generation is preempted
             ids, params = self._check_observation(obs, fields, seed)
-            constraint = self._constraint(fields)
+            constraint = self._constraint(fields, obs)
             if self._active is not None:
                 self._active.stop(PREEMPTED)
             if ids:
@@ -420,12 +426,18 @@ class Session:
             self.snapshot(label=obs.snapshot_label)
         if not generating:
             return None
-        return self._start(obs.max_new_tokens, params, obs.stamp_ns, output_type=fields.get("output_type", ""))
+        return self._start(obs.max_new_tokens, params, obs.stamp_ns,
+                           output_type=fields.get("output_type", "") or obs.output_type)
 
-    def _constraint(self, fields: dict):
-        """The goal's constraint compiled (INVALID_ARGUMENT with the library's or the type mapping's message), or
-        None; changes nothing."""
-        given = {name: fields.get(name, "") for name in CONSTRAINT_FIELDS if fields.get(name, "")}
+    def _constraint(self, fields: dict, obs: ObservationInput):
+        """The constraint of a goal (``fields``) or of its observation, compiled (INVALID_ARGUMENT with the
+        library's or the type mapping's message), or None; changes nothing."""
+        goal = {name: fields[name] for name in CONSTRAINT_FIELDS if fields.get(name, "")}
+        own = {name: value for name, value in obs.constraint_fields().items() if value}
+        if goal and own:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "a goal's constraint goes in the goal or in its "
+                                                           "observation, not both")
+        given = goal or own
         if len(given) > 1:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"at most one of {', '.join(CONSTRAINT_FIELDS)}; "
                                                            f"got {', '.join(given)}")
@@ -455,6 +467,9 @@ class Session:
         params = self._sampling(fields)
         if obs.max_new_tokens < 0:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "max_new_tokens must be >= 0")
+        if obs.max_new_tokens == 0 and any(obs.constraint_fields().values()):
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, "a constraint (json_schema, grammar, output_type) needs "
+                                                           "max_new_tokens > 0: it constrains what is generated")
         if seed is not None:
             self.engine.check_seed(seed)
         if not ids and obs.max_new_tokens == 0:
@@ -489,11 +504,13 @@ class Session:
         running = self._active.request_id if self._active is not None else 0
         start = time.perf_counter()
         self.epoch += 1
-        checked, pending = [], 0
+        checked, pending, constraint = [], 0, None
         for obs in observations:
             try:
                 self._check_accepting()
                 ids, params = self._check_observation(obs, {}, None, pending)
+                if obs is observations[-1]:
+                    constraint = self._constraint({}, obs)
             except FlashRTError as e:
                 checked.append((None, None, e))
                 continue
@@ -529,8 +546,8 @@ class Session:
         if last.snapshot_label:
             self.snapshot(label=last.snapshot_label)
         if last.max_new_tokens > 0:
-            self.engine.constrain(None)
-            return self._start(last.max_new_tokens, params, last.stamp_ns)
+            self.engine.constrain(constraint)
+            return self._start(last.max_new_tokens, params, last.stamp_ns, output_type=last.output_type)
         return None
 
     def observation_dropped(self, observation: ObservationInput, message: str) -> Done:

@@ -105,17 +105,49 @@ class Constraint:
     def state(self) -> ConstraintState:
         return ConstraintState(self.grammar, tuple(self.tokens))
 
-    def fill_mask(self, words: torch.Tensor) -> None:
-        """Compute the allowed next tokens on the CPU and copy the bitmask into the device buffer ``words``."""
+    def fill_mask(self, words: torch.Tensor, staging: torch.Tensor | None = None) -> None:
+        """Compute the allowed next tokens on the CPU and copy the bitmask into the device buffer ``words``, through
+        ``staging`` (pinned host words: a copy the device stream orders, which the host does not wait for) if
+        given."""
+        bits = self._bitmask(words.numel())
+        if staging is not None:
+            bits = staging.copy_(bits)
+        words.copy_(bits, non_blocking=True)
+
+    def fill_verify_masks(self, tokens: Sequence[int], words: torch.Tensor) -> None:
+        """The masks of a speculative step's verify rows, into ``words[1:]``: ``tokens[0]`` is the step's picked
+        token (masked by ``words[0]``), ``tokens[1:]`` the MTP drafts; ``words[j]`` is the mask after
+        ``tokens[:j]``, so the model's check of draft j is picked under the grammar. The walk ends at the first draft
+        the grammar forbids (its row's mask refuses it, so the verify ends the accepted run there) or after a token
+        that completes the grammar; later rows allow every token (no draft past that point is accepted). The
+        matcher ends as it began: the step's committed tokens are accepted one by one afterwards."""
+        host = torch.full((words.shape[0], words.shape[1]), -1, dtype=torch.int32)
+        walked = 0
+        for row, token in enumerate(tokens):
+            if row:
+                if self._matcher.is_stopped():
+                    break
+                host[row] = self._bitmask(words.shape[1])
+                if not (int(host[row, token // 32]) >> (token % 32)) & 1:
+                    break
+            self._consume(token)
+            walked += 1
+        if not self._matcher.rollback(walked):
+            self.__init__(self._llg_tok, self.state())
+        words[1:].copy_(host[1:], non_blocking=True)
+
+    def _bitmask(self, words: int) -> torch.Tensor:
         bits = self._matcher.compute_bitmask()
         self._check()
-        host = torch.frombuffer(bytearray(bits), dtype=torch.int32)
-        words.copy_(host[:words.numel()], non_blocking=True)   # llguidance may pad its vocabulary
+        return torch.frombuffer(bytearray(bits), dtype=torch.int32)[:words]   # llguidance may pad its vocabulary
 
-    def accept(self, token: int) -> None:
+    def _consume(self, token: int) -> None:
         if not self._matcher.consume_token(token):      # the mask allowed it: a defect, not the request's fault
             raise FlashRTError(ErrorCode.INTERNAL, f"token {token} was sampled against the grammar: "
                                                    f"{self._matcher.get_error()}")
+
+    def accept(self, token: int) -> None:
+        self._consume(token)
         self.tokens.append(token)
 
     def rollback(self, count: int) -> None:
@@ -142,9 +174,9 @@ def mask_lookup(vocab_size: int, device: torch.device) -> tuple[torch.Tensor, to
     return (ids // 32).long(), ids % 32
 
 
-def mask_words(vocab_size: int, device: torch.device) -> torch.Tensor:
-    """The device buffer of mask words, every token allowed (all bits set)."""
-    return torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32, device=device)
+def mask_words(vocab_size: int, device: torch.device, rows: int) -> torch.Tensor:
+    """The device buffer of mask words, ``rows`` masks (one per row a step picks from), every token allowed."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
 
 
 def apply_mask(logits: torch.Tensor, words: torch.Tensor, lookup: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -177,17 +177,21 @@ class Engine:
                                                            f"model's MTP head, and {cfg.model!r} has none")
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
         self._sampling: SamplingParams | None = None
-        # constrained decoding: the static mask the decode step reads, the live matcher, each capsule's matcher state
-        self._mask_words = constraints.mask_words(self.model_config.vocab_size, self.device)
+        # constrained decoding: the static mask the decode step reads, the live matcher (a capsule's: its info)
+        self._mask_words = constraints.mask_words(self.model_config.vocab_size, self.device,
+                                                  STEP_ROWS if cfg.speculative_tokens else 1)
         self._mask_lookup = constraints.mask_lookup(self.model_config.vocab_size, self.device)
         self.constraint: Constraint | None = None
-        self._capsule_constraints: dict[str, ConstraintState] = {}
+        self._mask_of: tuple[Constraint, int] | None = None     # the matcher state the mask words hold the mask of
+        self._token_host = torch.zeros(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._mask_host = torch.zeros(self._mask_words.shape[1], dtype=torch.int32,    # staging of the next mask
+                                      pin_memory=self.device.type == "cuda")
         self._llg_tokenizer = None
         self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET, STEP_ROWS), dtype=torch.int64,
                                    device=self.device)
         # the speculative plan's steps (None: main's one-row decode step, see _decode_step)
-        self.stepper = Stepper(self.model, self.sampler, self._tokens, self._draft_vocab(cfg.draft_vocab)) \
-            if cfg.speculative_tokens else None
+        self.stepper = (Stepper(self.model, self.sampler, self._tokens, self._mask_words, self._mask_lookup,
+                                self._draft_vocab(cfg.draft_vocab)) if cfg.speculative_tokens else None)
         self.speculative_stats = Stats()          # since start
         self.generation_stats = Stats()           # of the last generate call
         self._count = torch.ones((), dtype=torch.int64, device=self.device)  # real tokens of a small piece
@@ -204,7 +208,8 @@ class Engine:
                                          self.platform.pinned_host_tier, cfg.capsule_host_budget_bytes,
                                          cfg.capsule_evict_policy)
         self.capsule_manager = CapsuleManager(self.store, self.tiers, self._check_fingerprint, cfg.max_context,
-                                              self.arena.live_nbytes, on_settle=self._release_freed_boundary)
+                                              self.arena.live_nbytes, on_settle=self._release_freed_boundary,
+                                              check_constraint=self._rebuilt_constraint)
         # capsule files of this engine in capsule_dir are disk-tier capsules; why the others were refused
         self.capsule_dir_refused = self.tiers.index(self.fingerprint, self.arena.live_nbytes)
         self._fixed_span = self.arena.specs["kv"].offset
@@ -297,13 +302,49 @@ class Engine:
                           PIECE_BUCKET))
 
     def _decode_step(self, greedy: bool, kv_len: int):
-        """The plain plan's decode step: one row (speculative_tokens 0)."""
+        """The plain plan's decode step: one row (speculative_tokens 0): the masked pick, then the forward."""
+        sample, forward = self._sample_step(greedy), self._forward_step(kv_len)
+
         def step():
-            logits = constraints.apply_mask(self.model.logits(), self._mask_words, self._mask_lookup)
+            sample()
+            forward()
+        return step
+
+    def _sample_step(self, greedy: bool):
+        """The first part of the plain decode step: the next token, masked, into ``_tokens[0]``."""
+        def sample():
+            logits = constraints.apply_mask(self.model.logits(), self._mask_words[0], self._mask_lookup)
             token = self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
             self._tokens[:1].copy_(token)
-            self.model.forward(self._tokens[:1], kv_len)
-        return step
+        return sample
+
+    def _forward_step(self, kv_len: int):
+        """The second part: the model over ``_tokens[0]``."""
+        return lambda: self.model.forward(self._tokens[:1], kv_len)
+
+    def _overlapped_step(self, greedy: bool, kv_len: int) -> int:
+        """A constrained plain decode step whose next mask costs no device time: the pick runs (its own graph), the
+        forward is launched (its own graph), and while the device runs it the matcher accepts the picked token and
+        computes the next token's mask, whose copy into the mask words the stream orders after the forward. Returns
+        the token (accepted)."""
+        self.graphs.run(("sample", greedy), self._sample_step(greedy))
+        self._token_host.copy_(self._tokens[:1], non_blocking=True)
+        picked = torch.cuda.Event() if self.device.type == "cuda" else None
+        if picked is not None:
+            picked.record()
+        self.graphs.run(("forward", kv_len), self._forward_step(kv_len))
+        if picked is not None:
+            picked.synchronize()              # the pick only: the forward goes on
+        token = int(self._token_host[0])
+        self.constraint.accept(token)
+        if not self.constraint.stopped:
+            self._fill_mask()
+        return token
+
+    def _fill_mask(self) -> None:
+        """The live matcher's mask of the next token into the mask words (row 0), noting which state it is of."""
+        self.constraint.fill_mask(self._mask_words[0], self._mask_host)
+        self._mask_of = (self.constraint, len(self.constraint.tokens))
 
     def _step(self, drafts: int, greedy: bool, kv_len: int):
         """The graph key and the function of a decode step with ``drafts`` drafts: the plain plan's one-row step,
@@ -312,6 +353,15 @@ class Engine:
             return ("decode", greedy, kv_len), self._decode_step(greedy, kv_len)
         self.stepper.count.fill_(drafts + 1)
         return ("step", drafts, greedy, kv_len), self.stepper.step(drafts, greedy, kv_len)
+
+    def _constrained_step(self, drafts: int, greedy: bool, kv_len: int) -> None:
+        """A speculative step with drafts under the live constraint: its two parts run apart, and between them the
+        matcher walks the picked token and the drafts to mask each verify row (``Constraint.fill_verify_masks``), so
+        every check is the grammar's pick and no draft the grammar forbids is accepted."""
+        self.stepper.count.fill_(drafts + 1)
+        self.graphs.run(("draft", drafts, greedy, kv_len), self.stepper.draft(drafts, greedy, kv_len))
+        self.constraint.fill_verify_masks(self._tokens[:drafts + 1].tolist(), self._mask_words)
+        self.graphs.run(("verify", drafts, greedy, kv_len), self.stepper.verify(drafts, greedy, kv_len))
 
     def _warm_up(self) -> None:
         """Run one eager long piece, so its kernels compile (Triton JIT, autotuning) before any request. Mutates
@@ -331,10 +381,19 @@ class Engine:
             self._tokens.zero_()
             self._count.fill_(1)
         for kv_len in self.kv_buckets:
+            if self.stepper is None:          # a constrained plain step's two parts (_overlapped_step)
+                self.graphs.capture(("forward", kv_len), self._forward_step(kv_len), prepare)
             for greedy, k in itertools.product((True, False), range(self.config.speculative_tokens + 1)):
                 self.graphs.capture(*self._step(k, greedy, kv_len), prepare)
+                if k:         # a constrained step's two parts (_constrained_step)
+                    self.graphs.capture(("draft", k, greedy, kv_len), self.stepper.draft(k, greedy, kv_len), prepare)
+                    self.graphs.capture(("verify", k, greedy, kv_len), self.stepper.verify(k, greedy, kv_len),
+                                        prepare)
             for bucket in self._piece_buckets():
                 self.graphs.capture(("piece", bucket, kv_len), self._piece_step(bucket, kv_len), prepare)
+        if self.stepper is None:
+            for greedy in (True, False):
+                self.graphs.capture(("sample", greedy), self._sample_step(greedy), prepare)
         torch.cuda.synchronize(self.device)
 
     def _feed(self, start: int, token_ids: Sequence[int], embeds: torch.Tensor | None = None,
@@ -553,10 +612,20 @@ class Engine:
             kv_len = self._kv_bucket(position + 1)
             self.live.rows.truncate(position)
             self._moved_to(None)
-            if self.constraint is not None:       # no drafts then: compile_constraint refuses a speculative plan
-                self.constraint.fill_mask(self._mask_words)
-            self.graphs.run(*self._step(drafts, params.greedy, kv_len))
-            tokens = self._tokens[:drafts + 1].tolist()
+            constrained = self.constraint is not None
+            if constrained and self._mask_of != (self.constraint, len(self.constraint.tokens)):
+                self._fill_mask()             # else the step before computed it (_overlapped_step)
+            accepted = constrained and self.stepper is None
+            if accepted:
+                tokens = [self._overlapped_step(params.greedy, kv_len)]
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()     # the forward done, as tolist() below
+            else:
+                if drafts and constrained:
+                    self._constrained_step(drafts, params.greedy, kv_len)
+                else:
+                    self.graphs.run(*self._step(drafts, params.greedy, kv_len))
+                tokens = self._tokens[:drafts + 1].tolist()
             committed = int(self.stepper.committed) if drafts else 1
             if drafts:
                 self.stepper.invalidate(position + committed, position + drafts + 1)
@@ -572,8 +641,9 @@ class Engine:
             for row, token in enumerate(tokens[:committed]):
                 if drafts:
                     self.stepper.commit(row)
-                if self.constraint is not None:
-                    self.constraint.accept(token)
+                if constrained:
+                    if not accepted:
+                        self.constraint.accept(token)
                     if self.constraint.stopped:
                         stops = stops | {token}
                 self._moved_to(position + row + 1)
@@ -591,12 +661,7 @@ class Engine:
     # ---- constrained decoding -----------------------------------------------------------------------------
     def compile_constraint(self, kind: str, text: str) -> ConstraintState:
         """Check a grammar against this engine's tokenizer (INVALID_ARGUMENT with the library's message); changes
-        nothing live. Refused on the speculative plan: its steps apply no mask and its drafts are not checked against
-        the grammar yet."""
-        if self.stepper is not None:
-            raise FlashRTError(ErrorCode.INVALID_ARGUMENT,
-                               f"constrained decoding needs speculative_tokens 0 (this engine: "
-                               f"{self.config.speculative_tokens}): MTP drafts are not checked against a grammar yet")
+        nothing live."""
         state = ConstraintState(constraints.compile_grammar(kind, text))
         Constraint(self._llg(), state)
         return state
@@ -604,8 +669,11 @@ class Engine:
     def constrain(self, state: ConstraintState | None) -> None:
         """Constrain the next generated tokens (None: unconstrained). The matcher is live state: snapshots keep it,
         restores, forks and rollbacks bring it back."""
-        self.constraint = None if state is None else Constraint(self._llg(), state)
-        if state is None:
+        self._set_constraint(None if state is None else Constraint(self._llg(), state))
+
+    def _set_constraint(self, constraint: Constraint | None) -> None:
+        self.constraint = constraint
+        if constraint is None:
             self._mask_words.fill_(-1)
 
     def _llg(self):
@@ -613,8 +681,19 @@ class Engine:
             self._llg_tokenizer = constraints.llg_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._llg_tokenizer
 
-    def _load_constraint(self, capsule_id: str) -> None:
-        self.constrain(self._capsule_constraints.get(capsule_id))
+    def _rebuilt_constraint(self, info: CapsuleInfo) -> Constraint | None:
+        """The matcher of a capsule's constraint, rebuilt from its state; CHECKSUM_MISMATCH if that fails (a file's
+        state that this engine's tokenizer and grammar library do not replay: edited, or another tokenizer)."""
+        state = info.constraint
+        if state is None:
+            return None
+        try:
+            if any(token >= self.vocab_size for token in state.tokens):
+                raise FlashRTError(ErrorCode.TOKEN_OUT_OF_RANGE, f"token ids outside [0, {self.vocab_size})")
+            return Constraint(self._llg(), state)
+        except FlashRTError as err:
+            raise FlashRTError(ErrorCode.CHECKSUM_MISMATCH, f"capsule {info.id!r}: its grammar state does not "
+                                                            f"rebuild here ({err.message})") from None
 
     @torch.inference_mode()
     def peek_token(self) -> int:
@@ -661,11 +740,9 @@ class Engine:
         info = CapsuleInfo(id=new_id, parent=parent, label=label, position=position,
                            nbytes=self.layout.nbytes(position), tier="device" if self.device.type == "cuda" else "host",
                            checksum=checksum(row_parts(rows)) if self.config.checksum_on_snapshot else "",
-                           created=time.time())
+                           created=time.time(), constraint=None if self.constraint is None else self.constraint.state())
         self.store.add_rows(info, self.fingerprint, rows, lineage_parent=parent)
         self.live.taken(rows, position)
-        if self.constraint is not None:
-            self._capsule_constraints[new_id] = self.constraint.state()
         return self.store.info(new_id)
 
     @torch.inference_mode()
@@ -712,8 +789,9 @@ class Engine:
         """Pin a capsule to the device (fetched first) or unpin it."""
         return self.capsule_manager.pin(capsule_id, pinned)
 
-    def _load(self, capsule: StoredCapsule, kv_only: bool = False) -> None:
-        """Make the capsule live: its fixed state, and only the KV rows the live arena does not already hold."""
+    def _load(self, capsule: StoredCapsule, constraint: Constraint | None, kv_only: bool = False) -> None:
+        """Make the capsule live: its fixed state, only the KV rows the live arena does not already hold, and its
+        matcher (``constraint``, rebuilt by the caller before it changed anything: _rebuilt_constraint)."""
         position = capsule.info.position
         self._moved_to(None)
         # what this restore wrote (a sibling: the fixed state + divergence)
@@ -721,14 +799,15 @@ class Engine:
         self._moved_to(position)
         self.live_parent = capsule.info.id
         self.store.touch(capsule.info.id)
-        self._load_constraint(capsule.info.id)
+        self._set_constraint(constraint)
         self._restart_history(None if kv_only else capsule.rows[FIXED][0][0])
 
     @torch.inference_mode()
     def restore(self, capsule_id: str, verify_checksum: bool = False, kv_only: bool = False) -> CapsuleInfo:
         """Make the capsule the live state. ``kv_only`` restores only KV and metadata (an ablation: it diverges)."""
+        constraint = self._rebuilt_constraint(self.capsule(capsule_id))     # before a fetch moves it
         capsule = self.capsule_manager.restorable(capsule_id, verify_checksum)
-        self._load(capsule, kv_only)
+        self._load(capsule, constraint, kv_only)
         return self.store.info(capsule_id)
 
     @torch.inference_mode()
@@ -741,15 +820,14 @@ class Engine:
                 self.live_parent = info.id
             return info
         new_id = self.store.new_id(capsule_id, label)
+        constraint = self._rebuilt_constraint(self.capsule(source_id)) if switch else None
         source = self.capsule_manager.restorable(source_id, verify_checksum=False)
         self.capsule_manager.make_room(0, label, keep_ids=(source_id,))
         info = dataclasses.replace(source.info, id=new_id, parent=source_id, label=label, created=time.time())
         self.store.add_rows(info, source.fingerprint, dict(source.rows), lineage_parent=source_id)  # all shared
-        if source_id in self._capsule_constraints:
-            self._capsule_constraints[new_id] = self._capsule_constraints[source_id]
         self.store.touch(source_id)
         if switch:
-            self._load(self.store.get(new_id))
+            self._load(self.store.get(new_id), constraint)
         return self.store.info(new_id)
 
     @torch.inference_mode()
@@ -762,8 +840,9 @@ class Engine:
             if capsule_id not in self.store.ancestors(self.live_parent):
                 raise FlashRTError(ErrorCode.NOT_IN_LINEAGE, f"capsule {capsule_id!r} is not an ancestor of the live "
                                                              f"state (live descends from {self.live_parent!r})")
+            constraint = self._rebuilt_constraint(capsule.info)
             self.capsule_manager.on_device(capsule)
-            self._load(capsule)
+            self._load(capsule, constraint)
             return self.position
         if steps < 1:
             raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"steps must be >= 1, got {steps}")
@@ -803,7 +882,6 @@ class Engine:
     def drop(self, capsule_id: str) -> int:
         """Free a capsule. The live state and other capsules then descend from its nearest stored ancestor."""
         freed, parent = self.capsule_manager.drop(capsule_id)
-        self._capsule_constraints.pop(capsule_id, None)
         if self.live_parent == capsule_id:
             self.live_parent = parent
         return freed

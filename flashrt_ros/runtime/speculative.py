@@ -13,7 +13,9 @@ A step runs the main model over a fixed number of rows, :data:`STEP_ROWS`, of wh
    seeded draw, the draw of the counter that plain decoding would use there. The longest matching prefix is
    accepted, so the tokens are exactly plain decoding's, sampled ones included (a draw is kept only where it equals
    the draft; this accepts fewer drafts than the speculative-sampling rule, whose tokens would differ from plain
-   decoding's, and keeps a stream's tokens the same with speculation on or off).
+   decoding's, and keeps a stream's tokens the same with speculation on or off). Under a grammar every pick, the
+   checks included, is masked by its row of the engine's mask words (constraint.py), which the matcher fills
+   between the draft and the verify part of the step.
 
 Why the state is exact. None of the runtime's GEMMs gives a row the same bytes at another row count (MKL's fp32
 GEMV against its GEMM, cuBLAS, the fused quantized GEMV and its rows buckets), so a verify over k + 1 rows cannot
@@ -31,6 +33,7 @@ import dataclasses
 import torch
 
 from .arena import LAST_TOKEN, POSITION, RNG_COUNTER, Arena
+from .constraint import apply_mask
 from .model import Qwen35, StepRows
 from .sampler import Sampler
 
@@ -79,11 +82,14 @@ class Stats:
 
 class Stepper:
     """The static buffers and the step function of every (k, greedy, kv bucket), over the model's arena and the
-    engine's token buffer (``tokens``, at least STEP_ROWS long)."""
+    engine's token buffer (``tokens``, at least STEP_ROWS long) and its mask words (``mask_words``, one row of words
+    per step row, see constraint.py: row 0 masks the picked token, row j + 1 the check after verify row j)."""
 
-    def __init__(self, model: Qwen35, sampler: Sampler, tokens: torch.Tensor, draft_vocab: int):
+    def __init__(self, model: Qwen35, sampler: Sampler, tokens: torch.Tensor, mask_words: torch.Tensor,
+                 mask_lookup: tuple[torch.Tensor, torch.Tensor], draft_vocab: int):
         arena, device = model.arena, tokens.device
         self.model, self.sampler, self.arena, self.tokens = model, sampler, arena, tokens
+        self.mask_words, self.mask_lookup = mask_words, mask_lookup
         self.draft_vocab = draft_vocab
         self.rows = RowStates(arena, STEP_ROWS)
         self.count = torch.ones((), dtype=torch.int64, device=device)      # live rows of the step
@@ -93,32 +99,59 @@ class Stepper:
         self.pick_rows = torch.zeros_like(self.hidden_rows)               # row 0: the arena's hidden state
         self.offsets = torch.arange(STEP_ROWS, device=device)
 
-    def _pick(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+    def _pick(self, logits: torch.Tensor, greedy: bool, row: int) -> torch.Tensor:
+        logits = apply_mask(logits, self.mask_words[row], self.mask_lookup)
         return self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
 
     def step(self, k: int, greedy: bool, kv_len: int):
         """The step with ``k`` drafts (set ``count`` to k + 1 before running it); it leaves the picked token and the
-        drafts in ``tokens[:k + 1]`` and, with k > 0, the number to commit in ``committed``."""
+        drafts in ``tokens[:k + 1]`` and, with k > 0, the number to commit in ``committed``. With k > 0 it is
+        :meth:`draft` then :meth:`verify`, which a constrained step runs apart (the masks of the verify rows depend
+        on the drafts)."""
+        if k:
+            draft, verify = self.draft(k, greedy, kv_len), self.verify(k, greedy, kv_len)
+
+            def run():
+                draft()
+                verify()
+            return run
+        model, tokens = self.model, self.tokens
+
+        def run_undrafted():
+            self.pick_rows[0].copy_(self.arena["hidden"])
+            tokens[:1].copy_(self._pick(model.logits(self.pick_rows)[0], greedy, 0))
+            model.forward(tokens[:STEP_ROWS], kv_len, count=self.count, step=StepRows(live=1))
+        return run_undrafted
+
+    def draft(self, k: int, greedy: bool, kv_len: int):
+        """The first part of a step with ``k`` > 0 drafts: the picked token, then the MTP head's drafts, in
+        ``tokens[:k + 1]``."""
         model, tokens, meta = self.model, self.tokens, self.arena["meta"]
 
         def run():
             self.pick_rows[0].copy_(self.arena["hidden"])
-            tokens[:1].copy_(self._pick(model.logits(self.pick_rows)[0], greedy))
-            if k == 0:
-                model.forward(tokens[:STEP_ROWS], kv_len, count=self.count, step=StepRows(live=1))
-                return
+            tokens[:1].copy_(self._pick(model.logits(self.pick_rows)[0], greedy, 0))
             rows_meta = self.rows.view(slice(None), "meta")                  # after row j: as plain after token j
             rows_meta.copy_(meta.expand(STEP_ROWS, -1))
             rows_meta[:, POSITION] += self.offsets + 1
             if not greedy:                                                    # the first draw is counted in meta
                 rows_meta[:, RNG_COUNTER] += self.offsets
             self._draft(k, kv_len)
+        return run
+
+    def verify(self, k: int, greedy: bool, kv_len: int):
+        """The second part: the main model over the picked token and the drafts, each draft checked against the
+        model's own (masked) pick after the row before it; the number to commit in ``committed``."""
+        model, tokens = self.model, self.tokens
+
+        def run():
+            rows_meta = self.rows.view(slice(None), "meta")
             rows_meta[:, LAST_TOKEN] = tokens[:STEP_ROWS]
             model.forward(tokens[:STEP_ROWS], kv_len, count=self.count,
                           step=StepRows(live=k + 1, states=self.rows, hidden=self.hidden_rows))
             self.rows.view(slice(None), "hidden").copy_(self.hidden_rows)
             logits = model.logits(self.hidden_rows)
-            checks = torch.cat([self._pick(logits[row], greedy) for row in range(k)])
+            checks = torch.cat([self._pick(logits[row], greedy, row + 1) for row in range(k)])
             self.committed.copy_(1 + (checks == tokens[1:k + 1]).long().cumprod(0).sum())
         return run
 

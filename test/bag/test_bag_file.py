@@ -31,7 +31,8 @@ def observation(text="hi", max_new_tokens=2, stamp_ns=5, priority=0):
     return types[TOPICS["observation"]](
         header=types["std_msgs/msg/Header"](stamp=stamp, frame_id=""), text=text,
         token_ids=np.array([1, 2], np.int32), values=np.array([0.5], np.float32),
-        max_new_tokens=max_new_tokens, priority=priority, snapshot_label="", images=[])
+        max_new_tokens=max_new_tokens, priority=priority, snapshot_label="", images=[], json_schema="", grammar="",
+        output_type="")
 
 
 def event(seq, op="observe", before=0, after=3, **fields):

@@ -47,3 +47,18 @@ def test_a_date_after_2038_keeps_a_positive_sec():
     year_2100 = 4_102_444_800.0
     assert seconds_to_time(year_2100).sec == INT32[1]
     assert on_the_wire(seconds_to_time(year_2100)).sec == INT32[1]
+
+
+def test_an_observation_keeps_its_constraint_through_the_wire():
+    """ObservationInput -> Observation -> CDR -> ObservationInput: every field, the constraint's included (what a
+    StateEvent records and a bag replays)."""
+    from flashrt_ros.msg import Observation
+    from flashrt_ros.ros_convert import observation_in, observation_msg
+    from flashrt_ros.session import ObservationInput
+
+    for constraint in ({"json_schema": '{"type": "integer"}'}, {"grammar": 'root ::= "a"'},
+                       {"output_type": "geometry_msgs/msg/Twist"}):
+        obs = ObservationInput(text="go", token_ids=[1, 2], values=[0.5], max_new_tokens=9, snapshot_label="l",
+                               stamp_ns=123, **constraint)
+        wire = deserialize_message(serialize_message(observation_msg(obs)), Observation)
+        assert observation_in(wire) == obs

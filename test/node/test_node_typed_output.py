@@ -7,7 +7,7 @@ from conftest import wait_for
 from geometry_msgs.msg import Twist
 
 from flashrt_ros.action import Generate
-from flashrt_ros.msg import ErrorCode
+from flashrt_ros.msg import ErrorCode, Observation, TokenChunk
 
 
 def send(client, action, **fields):
@@ -37,3 +37,20 @@ def test_an_unknown_output_type_aborts_with_invalid_argument(node_and_client):
     answer = send(client, action, output_type="geometry_msgs/msg/Nope")
     assert answer.status == GoalStatus.STATUS_ABORTED
     assert answer.result.error_code == ErrorCode.INVALID_ARGUMENT and "cannot import" in answer.result.message
+
+
+def test_an_observation_with_output_type_publishes_a_twist(node_and_client):
+    """An Observation on ~/observation with max_new_tokens and output_type (no action): the Twist arrives on the
+    typed topic, equal to the text streamed on ~/tokens."""
+    _, client = node_and_client
+    twists = client.subscribe(Twist, "typed/geometry_msgs/msg/Twist")
+    chunks = client.subscribe(TokenChunk, "tokens")
+    publisher = client.publisher(Observation, "observation")
+    wait_for(lambda: publisher.get_subscription_count() > 0, what="the node's ~/observation subscription")
+    publisher.publish(Observation(text="go", max_new_tokens=256, output_type="geometry_msgs/msg/Twist"))
+    wait_for(lambda: twists and chunks and chunks[-1].final, timeout=60.0, what="a Twist and the final chunk")
+    assert chunks[-1].finish_reason == "stop"
+    value = json.loads("".join(chunk.text for chunk in chunks))
+    (twist,) = twists
+    assert (twist.linear.x, twist.linear.y, twist.angular.z) == (
+        float(value["linear"]["x"]), float(value["linear"]["y"]), float(value["angular"]["z"]))

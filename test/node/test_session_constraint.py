@@ -106,3 +106,52 @@ def test_preempted_constrained_goal_resumes_to_the_uninterrupted_output(session,
     assert [t.request_id for t in typed] == [resumed.request_id] and typed[0].text == whole.text
     with pytest.raises(ValueError):
         json.loads(urgent_text)                            # the urgent request ran unconstrained
+
+
+# ---- observations that generate take the same constraint fields (msg/Observation.msg) ----------------------------
+
+def test_an_observation_that_generates_is_constrained_and_typed_like_a_goal(session, outputs):
+    """An Observation with max_new_tokens > 0 and output_type: the text is the type's JSON and the parsed message is
+    emitted as a TypedOutput; its 'observe' event carries the observation with its output_type (what a bag
+    replays). json_schema and grammar constrain the text the same way."""
+    result = run(session.observe(ObservationInput(text="go", max_new_tokens=400, output_type=TWIST)))
+    assert result.finish_reason == "stop", result.message
+    (typed,) = [o for o in outputs if isinstance(o, TypedOutput)]
+    assert typed.type_name == TWIST and typed.text == result.text and isinstance(typed.message, Twist)
+    jsonschema.validate(json.loads(result.text), json.loads(ros_schema.schema_for(TWIST)))
+    (event,) = [o for o in outputs if isinstance(o, EventOutput)]
+    assert event.op == "observe" and event.observation.output_type == TWIST
+    result = run(session.observe(ObservationInput(text="pick", max_new_tokens=200, json_schema=SCHEMA)))
+    jsonschema.validate(json.loads(result.text), json.loads(SCHEMA))
+    result = run(session.observe(ObservationInput(text="yes?", max_new_tokens=20, grammar='root ::= "yes" | "no"')))
+    assert result.text in ("yes", "no") and result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("observation, goal, says", [
+    (ObservationInput(text="go", json_schema=SCHEMA), {}, "needs max_new_tokens > 0"),
+    (ObservationInput(text="go", max_new_tokens=40, json_schema='{"type": "objectx"}'), {}, "objectx"),
+    (ObservationInput(text="go", max_new_tokens=40, json_schema=SCHEMA, output_type=TWIST), {}, "at most one"),
+    (ObservationInput(text="go", max_new_tokens=40, json_schema=SCHEMA), {"output_type": TWIST}, "not both"),
+])
+def test_a_bad_observation_constraint_is_invalid_argument_and_changes_nothing(session, engine, outputs, observation,
+                                                                              goal, says):
+    running = session.generate(ObservationInput(text="count", max_new_tokens=50))
+    running.step()
+    before = state(engine)
+    with pytest.raises(FlashRTError) as err:
+        session.generate(observation, **goal) if goal else session.observe(observation)
+    assert err.value.code == ErrorCode.INVALID_ARGUMENT and says in err.value.message
+    assert state(engine) == before and session.active is running and not running.finished
+    event = [o for o in outputs if isinstance(o, EventOutput)][-1]
+    assert not event.success and event.error_code == ErrorCode.INVALID_ARGUMENT
+
+
+def test_the_last_observation_of_a_group_generates_under_its_constraint(session, engine, outputs):
+    """A group's last observation may generate: its constraint applies after the group's one prefill; a
+    constraint on an earlier one (which cannot generate) refuses that one alone."""
+    group = [ObservationInput(text="a", stamp_ns=1), ObservationInput(text="b", stamp_ns=2, json_schema=SCHEMA),
+             ObservationInput(text="c", stamp_ns=3, max_new_tokens=200, json_schema=SCHEMA)]
+    result = run(session.observe_group(group))
+    jsonschema.validate(json.loads(result.text), json.loads(SCHEMA))
+    observed = [o for o in outputs if isinstance(o, EventOutput) and o.op == "observe"]
+    assert [e.success for e in observed] == [True, False, True] and "max_new_tokens" in observed[1].message

@@ -186,3 +186,24 @@ def test_an_hf_tokenizer_json_is_given_to_llguidance(tmp_path):
     for token in hf.encode("left 1"):
         constraint.accept(token)
     assert allowed_texts() == {str(d) for d in range(10)}          # one more digit, and nothing that is two
+
+
+@pytest.mark.parametrize("sampling", [None, WARM])
+def test_the_overlapped_constrained_step_equals_the_one_graph_step(engine, sampling):
+    """A constrained plain step runs its pick and its forward apart, accepting the token and computing the next mask
+    in between (on CUDA while the forward runs): its tokens and final bytes are those of the one decode step (pick
+    and forward together) driven by hand with the mask computed before each step."""
+    start(engine, "json_schema", SCHEMA, 7)
+    want = list(engine.generate(300, sampling))
+    state = engine.live_bytes()
+    assert engine.constraint.stopped
+    start(engine, "json_schema", SCHEMA, 7)
+    engine.sampler.configure(sampling or SamplingParams())
+    matcher, words, got = engine.constraint, engine._mask_words[0], []
+    while not matcher.stopped:
+        matcher.fill_mask(words)
+        engine._decode_step(sampling is None, engine._kv_bucket(engine.arena.position() + 1))()
+        got.append(int(engine._tokens[0]))
+        matcher.accept(got[-1])
+    engine._moved_to(None)                            # driven by hand: the engine reads the position from the arena
+    assert got == want and torch.equal(engine.live_bytes(), state)

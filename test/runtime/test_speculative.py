@@ -309,22 +309,19 @@ def test_session_preempts_and_resumes_a_speculative_stream_and_reports_its_figur
     assert (resumed.acceptance_rate, resumed.tokens_per_step) == (stats.acceptance_rate, stats.tokens_per_step)
 
 
-def test_a_constraint_is_refused_on_the_speculative_plan_and_allowed_on_the_plain_one(trained):
-    """Drafts are not checked against a grammar yet, and the speculative step applies no mask: a constrained request
-    on that plan is refused before anything changes. (The plain plan of the same model gets to the next check: this model
-has no end-of-sequence token, which a completed constrained output needs, refused as clearly.)"""
+def test_a_constraint_without_an_end_of_sequence_token_is_refused_on_either_plan(trained):
+    """Constraints run on both plans (test_speculative_constraint.py); this trained model declares no
+    end-of-sequence token, which a completed constrained output needs: refused on each plan before anything
+    changes."""
     folder, _ = trained
-    speculative = engine(folder, 2)
-    speculative.ingest(prompts(folder, speculative, 1, 20)[0])
-    before = speculative.live_bytes()
-    with pytest.raises(FlashRTError) as refused:
-        speculative.compile_constraint("json_schema", '{"type": "integer"}')
-    assert refused.value.code == ErrorCode.INVALID_ARGUMENT and "speculative_tokens 0" in refused.value.message
-    assert speculative.constraint is None and torch.equal(speculative.live_bytes(), before)
-    plain = engine(folder, 0)     # it gets past the plan; this trained model declares no end-of-sequence token
-    with pytest.raises(FlashRTError) as no_eos:
-        plain.compile_constraint("json_schema", '{"type": "integer"}')
-    assert no_eos.value.code == ErrorCode.INVALID_ARGUMENT and "end-of-sequence" in no_eos.value.message
+    for k in (2, 0):
+        e = engine(folder, k)
+        e.ingest(prompts(folder, e, 1, 20)[0])
+        before = e.live_bytes()
+        with pytest.raises(FlashRTError) as no_eos:
+            e.compile_constraint("json_schema", '{"type": "integer"}')
+        assert no_eos.value.code == ErrorCode.INVALID_ARGUMENT and "end-of-sequence" in no_eos.value.message
+        assert e.constraint is None and torch.equal(e.live_bytes(), before)
 
 
 def test_a_draft_vocabulary_changes_the_drafts_and_nothing_else(trained, tmp_path, monkeypatch):

@@ -11,4 +11,5 @@ def test_bench_constraint_reports_decode_and_mask_per_token(tmp_path, capsys):
     assert result["constrained_tokens"] == [12, 12]            # the open-ended schema never ends early
     assert result["decode_ms_per_token"]["constrained"]["n"] == result["decode_ms_per_token"]["unconstrained"]["n"] == 22
     assert result["mask_ms_per_token"]["n"] == 24 and result["mask_ms_per_token"]["p50"] > 0
+    assert result["mask_overlapped"] is False                   # the CPU: computed between steps
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result

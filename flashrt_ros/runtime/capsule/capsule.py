@@ -19,6 +19,7 @@ import re
 import torch
 
 from ..arena import Arena
+from ..constraint import ConstraintState
 from ..errors import ErrorCode, FlashRTError
 
 MAX_ID_CHARS = 64
@@ -74,6 +75,8 @@ class CapsuleInfo:
     own_bytes: int = 0       # held by this capsule alone (the store fills these in)
     shared_bytes: int = 0    # held in blocks other capsules hold too (counted once in the budget)
     pinned: bool = False     # never evicted off the device
+    constraint: ConstraintState | None = None   # the grammar matcher's state then (outside the arena, see
+                                                # constraint.py); its file carries it
 
 
 @dataclasses.dataclass(frozen=True)

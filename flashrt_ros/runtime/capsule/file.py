@@ -4,6 +4,8 @@ Layout of ``<capsule_dir>/<capsule_id>.capsule``::
 
     prelude     magic "FLASHRT-CAPSULE\\0", uint32 version (2), uint64 header length      (little-endian)
     header      JSON: {"auth", "fingerprint", "info": {id, parent, label, position, nbytes, checksum, created}}
+                plus, for a capsule taken during a constrained generation, "constraint": {grammar, tokens} (the
+                matcher's state, outside the arena: constraint.py; the engine rebuilds the matcher from it)
     header tag  32 bytes: MAC(prelude + header)                   -> the header alone can be trusted cheaply
     payload     info.nbytes bytes: the capsule's bytes in capsule layout
     file tag    32 bytes: MAC(prelude + header + header tag + payload)
@@ -18,7 +20,7 @@ Reading opens plain files only, never through a symbolic link and never waiting 
 and before allocating anything: the prelude, the header tag, the header's fields, their types and ranges (position,
 nbytes, created: the MAX_* limits of :mod:`.capsule`), the file size against the header, then the caller's
 ``expect(info, fingerprint)`` (the engine: its fingerprint, the byte count its arena has at that position, the id,
-the budget). Only then is one tensor of the payload's size allocated and filled chunk by chunk while hashing; the
+the budget; a constraint that does not rebuild). Only then is one tensor of the payload's size allocated and filled chunk by chunk while hashing; the
 file tag and the capsule's device checksum are checked before the capsule is returned. Version 1 files (whose
 label, parent and created were outside a linear checksum) are refused with that reason.
 """
@@ -43,11 +45,12 @@ import torch
 from .capsule import (MAX_CREATED_S, MAX_NBYTES, MAX_POSITION, Capsule, CapsuleInfo, label_nbytes,
                       validate_capsule_id)
 from ..checksum import checksum
+from ..constraint import ConstraintState
 from ..errors import ErrorCode, FlashRTError
 
 FILE_SUFFIX = ".capsule"
 MIN_KEY_BYTES = 16
-MAX_HEADER_BYTES = 16 << 10          # ids, a 256-byte label, a fingerprint: far below this
+MAX_HEADER_BYTES = 8 << 20           # ids, a label, a fingerprint, a grammar and the tokens it accepted
 CHUNK_BYTES = 16 << 20               # payload bytes read, hashed and copied per step (bounds the extra memory)
 _MAGIC = b"FLASHRT-CAPSULE\0"
 _VERSION = 2
@@ -56,6 +59,7 @@ _TAG_BYTES = 32
 _HEADER_DOMAIN = b"flashrt-capsule-header\0"
 _FILE_DOMAIN = b"flashrt-capsule-file\0"
 INFO_FIELDS = ("id", "parent", "label", "position", "nbytes", "checksum", "created")
+_HEADER_FIELDS = {"auth", "fingerprint", "info"}          # and "constraint" when the capsule has one
 _HEX = re.compile(r"[0-9a-f]+")
 
 
@@ -154,8 +158,11 @@ def write_capsule_file(capsule: Capsule, path: str | Path, key: bytes | None = N
     if capsule.data.dtype != torch.uint8 or capsule.data.numel() != info.nbytes:
         raise FlashRTError(ErrorCode.INTERNAL, f"capsule {info.id!r}: {capsule.data.numel()} bytes, info says "
                                                f"{info.nbytes}")
-    header = json.dumps({"auth": _auth(key), "fingerprint": capsule.fingerprint,
-                         "info": {name: getattr(info, name) for name in INFO_FIELDS}}, sort_keys=True).encode()
+    fields = {"auth": _auth(key), "fingerprint": capsule.fingerprint,
+              "info": {name: getattr(info, name) for name in INFO_FIELDS}}
+    if info.constraint is not None:
+        fields["constraint"] = {"grammar": info.constraint.grammar, "tokens": list(info.constraint.tokens)}
+    header = json.dumps(fields, sort_keys=True).encode()
     prelude = _PRELUDE.pack(_MAGIC, _VERSION, len(header))
     header_mac, file_mac = _mac(key, _HEADER_DOMAIN), _mac(key, _FILE_DOMAIN)
     header_mac.update(prelude + header)
@@ -251,8 +258,8 @@ def _parse_header(header: bytes, path: Path, key: bytes | None) -> tuple[Capsule
         fields = json.loads(header)
     except (ValueError, RecursionError) as err:
         raise bad(f"not JSON ({type(err).__name__})") from None
-    if not isinstance(fields, dict) or set(fields) != {"auth", "fingerprint", "info"}:
-        raise bad("expected exactly the fields auth, fingerprint, info")
+    if not isinstance(fields, dict) or set(fields) - {"constraint"} != _HEADER_FIELDS:
+        raise bad("expected exactly the fields auth, fingerprint, info (and constraint)")
     info, fingerprint = fields["info"], fields["fingerprint"]
     if fields["auth"] != _auth(key):
         raise bad(f"auth {fields['auth']!r}, expected {_auth(key)!r}")
@@ -274,7 +281,22 @@ def _parse_header(header: bytes, path: Path, key: bytes | None) -> tuple[Capsule
     if info["parent"]:
         validate_capsule_id(info["parent"])
     label_nbytes(info["label"])
-    return CapsuleInfo(tier="disk", **info), fingerprint
+    return CapsuleInfo(tier="disk", constraint=_parse_constraint(fields.get("constraint"), info["position"], bad),
+                       **info), fingerprint
+
+
+def _parse_constraint(fields, position: int, bad) -> ConstraintState | None:
+    """The header's matcher state: a grammar text and at most ``position`` token ids (whether the grammar
+    accepts them is the engine's check)."""
+    if fields is None:
+        return None
+    if not isinstance(fields, dict) or set(fields) != {"grammar", "tokens"} or not isinstance(fields["grammar"], str):
+        raise bad("constraint needs exactly a grammar string and a tokens list")
+    tokens = fields["tokens"]
+    if not isinstance(tokens, list) or len(tokens) > position or \
+            not all(type(t) is int and t >= 0 for t in tokens):
+        raise bad(f"constraint tokens must be at most position ({position}) non-negative integers")
+    return ConstraintState(fields["grammar"], tuple(tokens))
 
 
 def _verified_header(f, path: Path, key: bytes | None):

@@ -25,12 +25,15 @@ _log = logging.getLogger("flashrt.runtime")
 
 class CapsuleManager:
     def __init__(self, store: CapsuleStore, tiers: Tiers, check_fingerprint: Callable[[str, str], None],
-                 max_context: int, nbytes_at: Callable[[int], int], on_settle: Callable[[], None]):
+                 max_context: int, nbytes_at: Callable[[int], int], on_settle: Callable[[], None],
+                 check_constraint: Callable[[CapsuleInfo], object]):
         """``check_fingerprint(what, fingerprint)``: the engine's refusal of a capsule bound to another engine (it
         names the reason); ``nbytes_at(position)``: the capsule bytes of the engine's arena at ``position``;
         ``on_settle``: called after every settle, so the engine can let go of what it kept of blocks that left the
-        device."""
+        device; ``check_constraint(info)``: the engine's refusal of a capsule whose grammar state (``info.constraint``)
+        does not rebuild."""
         self.store, self.tiers, self._check_fingerprint = store, tiers, check_fingerprint
+        self._check_constraint = check_constraint
         self.max_context, self._nbytes_at, self._on_settle = max_context, nbytes_at, on_settle
 
     @property
@@ -171,6 +174,7 @@ class CapsuleManager:
                                                            f"(a renamed file): name it {info.id}.capsule")
         self._check_fingerprint(f"capsule file {capsule_id!r}", fingerprint)
         self.check_size(info, f"capsule file {capsule_id!r}")
+        self._check_constraint(info)
         self.store.new_id(capsule_id, info.label)
         self.tiers.victims(info.nbytes, info.label)    # refuses unless it fits (after eviction, under lru)
 
