@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# capsules | load | gemv; quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
+# capsules | load | gemv | vision | constraint | spec (DENSE_GEMV: cublas or triton for the last three); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
 # PROFILE_DRAFTS, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips))
 # Every phase keeps its whole log under $OUT/<card>_<commit>/ (the device tool returns only the output's tail).
 # The wheels in .whl, where there are any (transformers 5.24.0, fla-core 0.6.0: what the machine lacks), are installed first.
@@ -42,6 +42,35 @@ for phase in "$@"; do
       timeout 270 python3 bench/tune_quant_gemv.py --out "$OUT/tune.json" --write-table "$OUT/quant_gemv_configs.py" \
           ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1; rc=$?; echo "tune rc=$rc"; grep -v -i warn "$OUT/tune.log" | tail -40
       [ $rc -eq 0 ] && cp "$OUT/quant_gemv_configs.py" flashrt_ros/runtime/kernels/quant_gemv_configs.py
+      ;;
+    vision)  # issue 32: the 0.8B tower per camera size, and image-to-first-token cold vs from a post-image capsule
+      timeout 120 python3 -m flashrt_ros.tools bench-vision --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
+          --repeats 10 --out "$OUT/bench_vision_qwen3.5-0.8b.json" > "$OUT/bench_vision.log" 2>&1
+      echo "bench-vision rc=$?"; grep "^|" "$OUT/bench_vision.log"
+      for grid in 16x16 32x32; do
+        timeout 120 python3 -m flashrt_ros.tools bench-image-ttft --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
+            --kernels triton --dense-gemv "${DENSE_GEMV:-cublas}" --grid $grid --repeats 10 \
+            --out "$OUT/bench_image_ttft_qwen3.5-0.8b_$grid.json" > "$OUT/bench_image_ttft_$grid.log" 2>&1
+        echo "bench-image-ttft $grid rc=$?"; grep "^|" "$OUT/bench_image_ttft_$grid.log"
+      done
+      ;;
+    constraint)  # issue 30: decode constrained vs not (the mask overlapped with the forward), plain and speculative
+      for drafts in 0 2; do
+        timeout 150 python3 -m flashrt_ros.tools bench-constraint --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
+            --kernels triton --dense-gemv "${DENSE_GEMV:-cublas}" --max-context 1024 --decode-tokens 128 --repeats 5 \
+            --speculative-tokens $drafts --out "$OUT/bench_constraint_qwen3.5-0.8b_d$drafts.json" \
+            > "$OUT/bench_constraint_d$drafts.log" 2>&1
+        echo "bench-constraint drafts $drafts rc=$?"; grep "^|" "$OUT/bench_constraint_d$drafts.log"
+      done
+      ;;
+    spec)  # issue 27: speculative steps against plain at an assumed acceptance, full and trimmed draft vocabularies
+      for vocab in 0 32768; do
+        timeout 150 python3 -m flashrt_ros.tools bench-spec --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
+            --kernels triton --dense-gemv "${DENSE_GEMV:-cublas}" --draft-vocab $vocab --drafts 0,1,2,3 --prompts 2 \
+            --context 1024 --decode-tokens 64 --repeats 3 --assumed-acceptance 0.8 \
+            --out "$OUT/bench_spec_qwen3.5-0.8b_vocab$vocab.json" > "$OUT/bench_spec_vocab$vocab.log" 2>&1
+        echo "bench-spec draft_vocab $vocab rc=$?"; grep "^|" "$OUT/bench_spec_vocab$vocab.log"
+      done
       ;;
     gemv)  # the dense GEMV of decode and verify: tune it (rows 1..5, 0.8B then 27B shapes), then cuBLAS vs it on 0.8B
       gemv_tune() {  # presets budget_s name

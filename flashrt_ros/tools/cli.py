@@ -42,6 +42,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights-format", default="dense", choices=quant.FORMATS, help="weight quantization")
     parser.add_argument("--weights-exclude", default="",
                         help="comma-separated patterns of projections kept dense, e.g. '*.linear_attn.*,lm_head'")
+    parser.add_argument("--speculative-tokens", type=int, default=0, help="MTP drafts per decode step (0 = off)")
     parser.add_argument("--draft-vocab", type=int, default=0,
                         help="MTP drafts among the first N token ids (0 = all; with speculative decoding)")
 
@@ -53,7 +54,8 @@ def _config(args, max_context: int, chunk: int, budget_mb: int, checksum: bool =
                         dense_gemv=args.dense_gemv,
                         capsule_budget_bytes=(args.capsule_budget_mb or budget_mb) << 20, seed=args.weights_seed,
                         checksum_on_snapshot=checksum, weights_format=args.weights_format,
-                        weights_exclude=quant.parse_patterns(args.weights_exclude), draft_vocab=args.draft_vocab)
+                        weights_exclude=quant.parse_patterns(args.weights_exclude), draft_vocab=args.draft_vocab,
+                        speculative_tokens=args.speculative_tokens)
 
 
 def cmd_generate(args) -> dict:
