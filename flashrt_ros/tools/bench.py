@@ -13,6 +13,7 @@ import torch
 from flashrt_ros.runtime.checksum import checksum
 from flashrt_ros.runtime.engine import Engine, EngineConfig
 from flashrt_ros.runtime.model import rope_inv_freq
+from flashrt_ros.runtime.vision.config import VISUAL
 
 from . import floors, ttft
 from .timing import timed
@@ -54,7 +55,7 @@ def _hf_model(engine: Engine):
                          "partial_rotary_factor": cfg.partial_rotary_factor})
     with torch.device("meta"):
         hf = Qwen3_5ForCausalLM(hf_cfg)
-    weights = {k: v for k, v in engine.model.hf_state_dict().items() if not k.startswith("mtp.")}
+    weights = {k: v for k, v in engine.model.hf_state_dict().items() if not k.startswith(("mtp.", VISUAL))}
     if cfg.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     hf.load_state_dict(weights, assign=True, strict=True)

@@ -72,6 +72,17 @@ def test_bench_writes_rows_with_consistent_ratios(capsys, tmp_path):
     assert table.startswith("| context |")
 
 
+def test_bench_compares_a_model_with_a_vision_tower_against_hfs_text_model(capsys):
+    """The HF oracle of ``--compare-hf`` is the text model: the tower's weights stay out of it (they made its
+    strict state-dict load fail on every multimodal preset)."""
+    code, out, _ = run(capsys, "bench", "--model", "tiny-vl", "--contexts", "64", "--repeats", "3",
+                       "--decode-tokens", "4", "--compare-hf")
+    assert code == 0, out
+    row = out["rows"][0]
+    assert row["hf_cold_ttft_ms"] > 0 and row["cold_ttft_over_hf"] == pytest.approx(
+        row["cold_ttft_ms"] / row["hf_cold_ttft_ms"])
+
+
 # ---- plan: will it fit? --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["tiny", "tiny-vl"])
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
