@@ -20,6 +20,7 @@ test/packaging/test_benchmarks_tables.py checks that every generated section mat
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import re
@@ -75,8 +76,46 @@ def _peer(results: list[dict]) -> str:
     return peer.table(peer.paired(ours, theirs))
 
 
+def _engine_option(result: dict, flag: str, default: str) -> str:
+    """An engine option a result was made with, read from its recorded command line."""
+    words = result.get("provenance", {}).get("command", "").split()
+    return words[words.index(flag) + 1] if flag in words[:-1] else default
+
+
+def _captioned(markdown_of):
+    """Each result's own markdown table under a caption of what ran (model, dtype, kernels, projection path,
+    speculative drafts and draft vocabulary where set)."""
+    def section(results: list[dict]) -> str:
+        parts = []
+        for r in results:
+            caption = f"`{r['model']}`, {r['dtype']}, kernels `{r.get('kernels', 'auto')}`, projections " \
+                      f"`{_engine_option(r, '--dense-gemv', 'cublas')}`"
+            drafts, vocab = _engine_option(r, "--speculative-tokens", "0"), _engine_option(r, "--draft-vocab", "0")
+            caption += (f", {drafts} MTP drafts per step" if drafts != "0" else "") + \
+                       (f", drafts among the first {vocab} ids" if vocab != "0" else "")
+            parts.append(f"{caption}:\n\n{markdown_of(r)}")
+        return "\n\n".join(parts)
+    return section
+
+
+def _markdown_of(module: str):
+    def table(result: dict) -> str:
+        return importlib.import_module(f"flashrt_ros.tools.{module}").markdown(result)
+    return table
+
+
+def _dense_gemv_decode(result: dict) -> str:
+    from flashrt_ros.tools.bench import markdown_table
+    return markdown_table(result["dense_gemv_decode"])
+
+
 KINDS = {"bench": _bench, "bench-quant": _bench_quant, "bench-quant-gemv": _bench_quant_gemv,
-         "bench-capsules": _bench_capsules, "load": _load, "peer": _peer}
+         "bench-capsules": _bench_capsules, "load": _load, "peer": _peer,
+         "bench-vision": _captioned(_markdown_of("bench_vision")),
+         "bench-image-ttft": _captioned(_markdown_of("bench_image_ttft")),
+         "bench-constraint": _captioned(_markdown_of("bench_constraint")),
+         "bench-spec": _captioned(_markdown_of("bench_spec")),
+         "dense-gemv-decode": _captioned(_dense_gemv_decode)}
 ALL_FILES_NEEDED = {"peer"}
 
 
