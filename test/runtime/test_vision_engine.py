@@ -263,15 +263,15 @@ def test_image_pixel_budget_is_validated():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kernel_set", ["reference", "triton"])
 def test_image_stream_on_cuda_graphs_equals_eager(kernel_set):
-    """On CUDA the captured decode steps read ROPE_DELTA from the arena: after an image, graph replay equals eager
-    decoding (tokens and bytes), and a capsule after the image continues token-identically on both."""
+    """On CUDA the captured decode steps read ROPE_DELTA from the arena: after an image (the preset's own tower),
+    graph replay equals eager decoding (tokens and bytes), and a capsule after the image continues token-identically
+    on both."""
     vision = PRESETS["tiny-vl"].vision
     items = [5, 6, hv.image(8, 6, seed=1, vision=vision), 7, 8]
     results = []
     for graphs in (True, False):
         engine = Engine(EngineConfig(model="tiny-vl", device="cuda", max_context=512, cuda_graphs=graphs,
                                      kernels=kernel_set, image_min_pixels=1))
-        engine.model.visual = hv.preset_tower(vision).cuda()
         assert bool(engine.graphs.graphs) == graphs
         engine.ingest(items)
         engine.snapshot("frame")
