@@ -48,10 +48,10 @@ def test_every_observation_is_applied_or_counted_lost(node_and_client, monkeypat
     # 1 kHz): the queue of one then overflows, whatever the machine.
     take = node_module.conv.observation_in
 
-    def slow_now_and_then(msg):
+    def slow_now_and_then(msg, *limits):
         if msg.header.stamp.sec % 100 == 0:
             time.sleep(0.02)
-        return take(msg)
+        return take(msg, *limits)
     monkeypatch.setattr(node_module.conv, "observation_in", slow_now_and_then)
 
     start = time.monotonic()
