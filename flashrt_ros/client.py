@@ -259,11 +259,15 @@ class FlashRTClient:
 
     # -- topics ----------------------------------------------------------------------------------
     def observation(self, text: str = "", token_ids=(), max_new_tokens: int = 0, priority: int = 0,
-                    snapshot_label: str = "", values=()) -> Observation:
-        """Build an Observation whose ``header.stamp`` is unique, so its token chunks can be found."""
+                    snapshot_label: str = "", values=(), images=(), json_schema: str = "", grammar: str = "",
+                    output_type: str = "") -> Observation:
+        """Build an Observation whose ``header.stamp`` is unique, so its token chunks can be found. ``images``:
+        ``sensor_msgs/Image`` messages (placed before the text); ``json_schema``, ``grammar`` or ``output_type``
+        constrain what it generates, as on a Generate goal."""
         msg = Observation(text=text, token_ids=list(token_ids), values=list(values),
                           max_new_tokens=max_new_tokens, priority=priority,
-                          snapshot_label=snapshot_label)
+                          snapshot_label=snapshot_label, images=list(images), json_schema=json_schema,
+                          grammar=grammar, output_type=output_type)
         now = max(self.node.get_clock().now().nanoseconds, self._last_stamp_ns + 1)
         self._last_stamp_ns = now
         msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(now, 1_000_000_000)

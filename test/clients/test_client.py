@@ -1,10 +1,12 @@
 """FlashRTClient against a real flashrt node (tiny model) in a subprocess, over loopback DDS."""
+import json
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from rclpy.node import Node
+from sensor_msgs.msg import Image
 
 from flashrt_ros.client import ClientError, FlashRTClient
 from flashrt_ros.demo import local_node
@@ -100,6 +102,16 @@ def test_node_subprocesses_compute_on_one_thread(node):
     variables = dict(v.split("=", 1) for v in environ.read_bytes().decode().split("\0") if "=" in v)
     assert variables.get("OMP_NUM_THREADS") == "1"
     assert torch.get_num_threads() == 1
+
+
+def test_observe_takes_a_constraint_and_images(fresh):
+    """The observation's constraint and images travel with it: a JSON-schema answer parses as what the schema
+    says; an image sent to tiny (no vision tower) is refused, its stream one empty final error chunk."""
+    answer = fresh.observe("A number: ", 12, json_schema='{"type": "integer"}')
+    assert answer.finish_reason in ("stop", "length") and isinstance(json.loads(answer.text), int), answer
+    frame = Image(height=2, width=2, encoding="rgb8", step=6, data=bytes(12))
+    refused = fresh.observe("look", 4, images=[frame])
+    assert refused.finish_reason == "error" and refused.token_ids == []
 
 
 def test_resumed_stream_is_found_by_its_request_id(fresh):
