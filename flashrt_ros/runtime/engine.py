@@ -38,6 +38,7 @@ from .model import PIECE_BUCKET, SMALL_PIECE
 from .sampler import Sampler, SamplingParams
 from .speculative import MAX_SPECULATIVE_TOKENS, STEP_ROWS, Stats, Stepper
 from .tokenizer import load_tokenizer
+from .vision.captured import CapturedTower
 from .vision.layout import Item, ingest_length, lay_out
 from .vision.prepared import PreparedImage
 from .vision.preprocess import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, Image, preprocess
@@ -219,6 +220,7 @@ class Engine:
         self.live_parent = ""
         self.kv_buckets = self._kv_bucket_sizes()
         self.graphs = GraphRunner(cfg.cuda_graphs and self.device.type == "cuda")
+        self._tower_graphs = CapturedTower(self.device, self.graphs.enabled)
         self._warm_up()
         if self.graphs.enabled:
             self._capture_graphs()
@@ -513,7 +515,7 @@ class Engine:
 
     def _encode(self, image: PreparedImage) -> torch.Tensor:
         """The tower's embeddings of one image [token_count, hidden] in the model dtype."""
-        out = self.visual(image.patches.to(self.device), image.grid)
+        out = self._tower_graphs(self.visual, image.patches, image.grid)
         if tuple(out.shape) != (image.token_count, self.model_config.hidden_size):
             raise FlashRTError(ErrorCode.INTERNAL, f"the vision tower gave {tuple(out.shape)} for grid {image.grid}, "
                                                    f"not [{image.token_count}, {self.model_config.hidden_size}]")

@@ -263,21 +263,23 @@ def test_image_pixel_budget_is_validated():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kernel_set", ["reference", "triton"])
 def test_image_stream_on_cuda_graphs_equals_eager(kernel_set):
-    """On CUDA the captured decode steps read ROPE_DELTA from the arena: after an image (the preset's own tower),
-    graph replay equals eager decoding (tokens and bytes), and a capsule after the image continues token-identically
-    on both."""
+    """On CUDA the captured decode steps read ROPE_DELTA from the arena and the tower runs as a graph per grid: after
+    two frames of one grid (the preset's own tower; the second replays the first's graph), graph replay equals eager
+    decoding (tokens and bytes), and a capsule after the images continues token-identically on both."""
     vision = PRESETS["tiny-vl"].vision
-    items = [5, 6, hv.image(8, 6, seed=1, vision=vision), 7, 8]
+    items = [5, 6, hv.image(8, 6, seed=1, vision=vision), 7, hv.image(8, 6, seed=2, vision=vision), 8]
     results = []
     for graphs in (True, False):
         engine = Engine(EngineConfig(model="tiny-vl", device="cuda", max_context=512, cuda_graphs=graphs,
                                      kernels=kernel_set, image_min_pixels=1))
         assert bool(engine.graphs.graphs) == graphs
-        engine.ingest(items)
+        engine.ingest(items[:3])           # the tower's graph of this grid is captured here ...
+        engine.ingest(items[3:])           # ... and replayed for the second frame
+        assert bool(engine._tower_graphs.graphs) == graphs
         engine.snapshot("frame")
         tokens = list(engine.generate(20, stop_token_ids=()))
         engine.restore("frame")
         assert list(engine.generate(20, stop_token_ids=())) == tokens
         results.append((tokens, engine.live_bytes().cpu(), engine.rope_delta))
-    assert results[0][0] == results[1][0] and results[0][2] == results[1][2] == 4 - 12
+    assert results[0][0] == results[1][0] and results[0][2] == results[1][2] == 2 * (4 - 12)
     assert torch.equal(results[0][1], results[1][1])
