@@ -19,6 +19,7 @@ class CapturedTower:
         self.tower: torch.nn.Module | None = None
         self.graphs: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph]] = {}
 
+    @torch.inference_mode()     # the static buffers are inference tensors, whoever calls (the tower has no grads)
     def __call__(self, tower: torch.nn.Module, patches: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         if tower is not self.tower:
             self.tower, self.graphs = tower, {}
