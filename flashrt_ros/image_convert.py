@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
-from flashrt_ros.runtime.vision.preprocess import resized_size
+from flashrt_ros.runtime.vision.image import resized_size
 
 #: the encodings the node reads, and their bytes per pixel
 CHANNELS = {"rgb8": 3, "bgr8": 3, "mono8": 1}

@@ -9,7 +9,7 @@ from flashrt_ros import image_convert
 from flashrt_ros.msg import ActionChunk, CapsuleInfo, Observation, StateEvent, TokenChunk
 from flashrt_ros.operations import Operation
 from flashrt_ros.runtime.errors import FlashRTError
-from flashrt_ros.runtime.vision.preprocess import Image
+from flashrt_ros.runtime.vision.image import Image
 from flashrt_ros.session import ActionOutput, EventOutput, ObservationInput, TokenOutput
 
 

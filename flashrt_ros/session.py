@@ -78,7 +78,7 @@ _FINISH_CODES = {PREEMPTED: ErrorCode.PREEMPTED, CANCELED: ErrorCode.CANCELED, E
 @dataclass
 class ObservationInput:
     """What an observation carries, ingested in this order: token_ids, images, text, values. An image (a runtime
-    ``vision.preprocess.Image``, or a ``PreparedImage``) takes its image tokens plus two positions."""
+    ``vision.image.Image``, or a ``PreparedImage``) takes its image tokens plus two positions."""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
