@@ -103,6 +103,11 @@ class Stepper:
         logits = apply_mask(logits, self.mask_words[row], self.mask_lookup)
         return self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
 
+    def _pick_first(self, greedy: bool) -> None:
+        """tokens[0]: the (masked) pick from the arena's last hidden state, through the step's STEP_ROWS-row head."""
+        self.pick_rows[0].copy_(self.arena["hidden"])
+        self.tokens[:1].copy_(self._pick(self.model.logits(self.pick_rows)[0], greedy, 0))
+
     def step(self, k: int, greedy: bool, kv_len: int):
         """The step with ``k`` drafts (set ``count`` to k + 1 before running it); it leaves the picked token and the
         drafts in ``tokens[:k + 1]`` and, with k > 0, the number to commit in ``committed``. With k > 0 it is
@@ -118,19 +123,17 @@ class Stepper:
         model, tokens = self.model, self.tokens
 
         def run_undrafted():
-            self.pick_rows[0].copy_(self.arena["hidden"])
-            tokens[:1].copy_(self._pick(model.logits(self.pick_rows)[0], greedy, 0))
+            self._pick_first(greedy)
             model.forward(tokens[:STEP_ROWS], kv_len, count=self.count, step=StepRows(live=1))
         return run_undrafted
 
     def draft(self, k: int, greedy: bool, kv_len: int):
         """The first part of a step with ``k`` > 0 drafts: the picked token, then the MTP head's drafts, in
         ``tokens[:k + 1]``."""
-        model, tokens, meta = self.model, self.tokens, self.arena["meta"]
+        meta = self.arena["meta"]
 
         def run():
-            self.pick_rows[0].copy_(self.arena["hidden"])
-            tokens[:1].copy_(self._pick(model.logits(self.pick_rows)[0], greedy, 0))
+            self._pick_first(greedy)
             rows_meta = self.rows.view(slice(None), "meta")                  # after row j: as plain after token j
             rows_meta.copy_(meta.expand(STEP_ROWS, -1))
             rows_meta[:, POSITION] += self.offsets + 1
