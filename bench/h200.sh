@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# capsules | load | gemv | vision | constraint | spec (DENSE_GEMV: cublas or triton for the last three); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
-# PROFILE_DRAFTS, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips))
+# capsules | load | gemv | vision | constraint | spec (DENSE_GEMV: cublas or triton for the last three; spec takes
+# SPEC_MODEL, SPEC_VOCABS); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
+# PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips))
 # Every phase keeps its whole log under $OUT/<card>_<commit>/ (the device tool returns only the output's tail).
 # The wheels in .whl, where there are any (transformers 5.24.0, fla-core 0.6.0: what the machine lacks), are installed first.
 # Runs on an H100 as well: every result records the card's name.
@@ -63,11 +64,22 @@ for phase in "$@"; do
         echo "bench-constraint drafts $drafts rc=$?"; grep "^|" "$OUT/bench_constraint_d$drafts.log"
       done
       ;;
-    spec)  # issue 27: speculative steps against plain at an assumed acceptance, full and trimmed draft vocabularies
-      for vocab in 0 32768; do
+    spec)  # issue 27: exactness on CUDA graphs, the trained model's acceptance and speed here, the 0.8B shape's steps
+      # projected at that model's measured tokens per step (full and trimmed draft vocabularies). SPEC_MODEL: a folder
+      # of bench/train_tiny_lm.py (carried: bench/models/ is ignored by git)
+      model=${SPEC_MODEL:-bench/models/lm}
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_speculative_gpu.py \
+          test/runtime/test_kernels_delta_attention.py test/runtime/test_kernels_norms_conv_rope.py \
+          -k "speculation or rows or (realistic and conv)" > "$OUT/spec_pytest.log" 2>&1; echo "pytest rc=$?"
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/spec_pytest.log" | tail -12
+      timeout 150 python3 -m flashrt_ros.tools bench-spec --model "$model" --device cuda --kernels triton \
+          --text "$model/heldout.txt" --drafts 0,1,2,3,4 --prompts 4 --context 64 --decode-tokens 128 --repeats 5 \
+          --max-context 512 --out "$OUT/bench_spec_trained.json" > "$OUT/bench_spec_trained.log" 2>&1
+      echo "bench-spec trained rc=$?"; grep "^|" "$OUT/bench_spec_trained.log"
+      for vocab in ${SPEC_VOCABS:-0 32768}; do
         timeout 150 python3 -m flashrt_ros.tools bench-spec --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
-            --kernels triton --dense-gemv "${DENSE_GEMV:-cublas}" --draft-vocab $vocab --drafts 0,1,2,3 --prompts 2 \
-            --context 1024 --decode-tokens 64 --repeats 3 --assumed-acceptance 0.8 \
+            --kernels triton --dense-gemv "${DENSE_GEMV:-cublas}" --draft-vocab $vocab --drafts 0,1,2,3,4 --prompts 2 \
+            --context 1024 --decode-tokens 64 --repeats 3 --acceptance-from "$OUT/bench_spec_trained.json" \
             --out "$OUT/bench_spec_qwen3.5-0.8b_vocab$vocab.json" > "$OUT/bench_spec_vocab$vocab.log" 2>&1
         echo "bench-spec draft_vocab $vocab rc=$?"; grep "^|" "$OUT/bench_spec_vocab$vocab.log"
       done
@@ -113,7 +125,8 @@ for phase in "$@"; do
       for context in ${PROFILE_CONTEXTS:-16384 8192}; do
         for drafts in ${PROFILE_DRAFTS:-0}; do
           log="$OUT/profile_${preset}_${format}_${context}_d$drafts.txt"
-          timeout "${BENCH_TIMEOUT_S:-540}" python3 bench/profile_step.py $preset $context 24 $format $drafts > "$log" 2>&1
+          timeout "${BENCH_TIMEOUT_S:-540}" python3 bench/profile_step.py $preset $context 24 $format $drafts \
+              ${PROFILE_DRAFT_VOCAB:-0} > "$log" 2>&1
           echo "profile $context drafts $drafts rc=$?"; grep -E " ms$|graphs" "$log"
         done
       done

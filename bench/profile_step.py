@@ -17,16 +17,18 @@ context = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
 suffix = int(sys.argv[3]) if len(sys.argv) > 3 else 24
 weights_format = sys.argv[4] if len(sys.argv) > 4 else "dense"
 drafts = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+draft_vocab = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+carried = drafts > 0     # a speculative stream's steady state: the step takes the pick of the verify before it
 engine = Engine(EngineConfig(model=preset, device="cuda", dtype="bfloat16", max_context=context + 128,
                              prefill_chunk=2048, checksum_on_snapshot=False, weights_format=weights_format,
-                             capsule_budget_bytes=16 << 30, speculative_tokens=drafts))
+                             capsule_budget_bytes=16 << 30, speculative_tokens=drafts, draft_vocab=draft_vocab))
 device = engine.device
 engine.ingest(prompt_tokens(engine.vocab_size, context, "profile"))
 engine.snapshot("base")
-decode = engine.graphs.graphs[engine._step(drafts, True, engine._kv_bucket(context + 1 + drafts))[0]]
+decode = engine.graphs.graphs[engine._step(drafts, True, engine._kv_bucket(context + 1 + drafts), carried)[0]]
 piece = engine.graphs.graphs[("piece", _piece_bucket(suffix), engine._kv_bucket(context + suffix))]
 engine._count.fill_(suffix)
-steps = {f"decode graph ({drafts} drafts)": decode.replay, f"piece graph ({suffix} tokens)": piece.replay,
+steps = {f"decode graph ({drafts} drafts{', carried pick' if carried else ''})": decode.replay, f"piece graph ({suffix} tokens)": piece.replay,
          "first-token logits + argmax": engine.peek_token, "restore (lineage)": lambda: engine.restore("base")}
 
 

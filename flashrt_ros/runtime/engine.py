@@ -36,7 +36,7 @@ from . import kernels as kernel_sets
 from . import platform, quant
 from .model import PIECE_BUCKET, SMALL_PIECE
 from .sampler import Sampler, SamplingParams
-from .speculative import MAX_SPECULATIVE_TOKENS, STEP_ROWS, Stats, Stepper
+from .speculative import MASK_ROWS, MAX_SPECULATIVE_TOKENS, STEP_ROWS, Stats, Stepper
 from .tokenizer import load_tokenizer
 from .vision.captured import CapturedTower
 from .vision.layout import Item, ingest_length, lay_out
@@ -180,7 +180,7 @@ class Engine:
         self._sampling: SamplingParams | None = None
         # constrained decoding: the static mask the decode step reads, the live matcher (a capsule's: its info)
         self._mask_words = constraints.mask_words(self.model_config.vocab_size, self.device,
-                                                  STEP_ROWS if cfg.speculative_tokens else 1)
+                                                  MASK_ROWS if cfg.speculative_tokens else 1)
         self._mask_lookup = constraints.mask_lookup(self.model_config.vocab_size, self.device)
         self.constraint: Constraint | None = None
         self._mask_of: tuple[Constraint, int] | None = None     # the matcher state the mask words hold the mask of
@@ -216,6 +216,7 @@ class Engine:
         self._fixed_span = self.arena.specs["kv"].offset
         self._history = torch.zeros(cfg.history_depth, self._fixed_span, dtype=torch.uint8, device=self.device)
         self._boundaries: deque[_Boundary] = deque()          # oldest first
+        self._carry: tuple[_Boundary, SamplingParams] | None = None     # see _take_carried_pick
         self._next_slot = 0
         self.live_parent = ""
         self.kv_buckets = self._kv_bucket_sizes()
@@ -348,13 +349,23 @@ class Engine:
         self.constraint.fill_mask(self._mask_words[0], self._mask_host)
         self._mask_of = (self.constraint, len(self.constraint.tokens))
 
-    def _step(self, drafts: int, greedy: bool, kv_len: int):
+    def _step(self, drafts: int, greedy: bool, kv_len: int, carried: bool = False):
         """The graph key and the function of a decode step with ``drafts`` drafts: the plain plan's one-row step,
-        or the speculative plan's STEP_ROWS-row step (this sets its live row count, drafts + 1)."""
+        or the speculative plan's STEP_ROWS-row step (this sets its live row count, drafts + 1; ``carried``: it
+        takes the pick the verify before made, see :meth:`_take_carried_pick`)."""
         if self.stepper is None:
             return ("decode", greedy, kv_len), self._decode_step(greedy, kv_len)
         self.stepper.count.fill_(drafts + 1)
-        return ("step", drafts, greedy, kv_len), self.stepper.step(drafts, greedy, kv_len)
+        return ("step", drafts, greedy, kv_len, carried), self.stepper.step(drafts, greedy, kv_len, carried)
+
+    def _take_carried_pick(self, params: SamplingParams) -> bool:
+        """Whether the next step may start from the pick the last verify made after its committed rows
+        (``Stepper.next_pick``): only while the live state is still the one that verify made live (the same commit
+        boundary object: any restore, rollback, fork into the live state or ingest replaces it), under the same
+        sampling and no grammar. Taken once: the step that uses it makes the next."""
+        carry, self._carry = self._carry, None
+        return (carry is not None and carry[0] is self._boundaries[-1] and carry[1] == params
+                and self.constraint is None)
 
     def _constrained_step(self, drafts: int, greedy: bool, kv_len: int) -> None:
         """A speculative step with drafts under the live constraint: its two parts run apart, and between them the
@@ -385,9 +396,11 @@ class Engine:
         for kv_len in self.kv_buckets:
             if self.stepper is None:          # a constrained plain step's two parts (_overlapped_step)
                 self.graphs.capture(("forward", kv_len), self._forward_step(kv_len), prepare)
-            for greedy, k in itertools.product((True, False), range(self.config.speculative_tokens + 1)):
-                self.graphs.capture(*self._step(k, greedy, kv_len), prepare)
-                if k:         # a constrained step's two parts (_constrained_step)
+            carries = (False, True) if self.stepper is not None else (False,)
+            for greedy, k, carried in itertools.product((True, False), range(self.config.speculative_tokens + 1),
+                                                        carries):
+                self.graphs.capture(*self._step(k, greedy, kv_len, carried), prepare)
+                if k and not carried:         # a constrained step's two parts (_constrained_step)
                     self.graphs.capture(("draft", k, greedy, kv_len), self.stepper.draft(k, greedy, kv_len), prepare)
                     self.graphs.capture(("verify", k, greedy, kv_len), self.stepper.verify(k, greedy, kv_len),
                                         prepare)
@@ -623,10 +636,11 @@ class Engine:
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()     # the forward done, as tolist() below
             else:
+                carried = self._take_carried_pick(params)
                 if drafts and constrained:
                     self._constrained_step(drafts, params.greedy, kv_len)
                 else:
-                    self.graphs.run(*self._step(drafts, params.greedy, kv_len))
+                    self.graphs.run(*self._step(drafts, params.greedy, kv_len, carried))
                 tokens = self._tokens[:drafts + 1].tolist()
             committed = int(self.stepper.committed) if drafts else 1
             if drafts:
@@ -659,6 +673,9 @@ class Engine:
                     return
                 if self._boundaries[-1] is not boundary:     # the live state was replaced meanwhile
                     break
+            else:
+                if drafts and not constrained:
+                    self._carry = (self._boundaries[-1], params)
 
     # ---- constrained decoding -----------------------------------------------------------------------------
     def compile_constraint(self, kind: str, text: str) -> ConstraintState:

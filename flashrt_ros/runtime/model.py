@@ -152,19 +152,24 @@ class GatedDeltaNet(nn.Module):
                 v.unflatten(-1, (cfg.linear_num_value_heads, cfg.linear_value_head_dim)))
 
     def _step_rows(self, mixed, a, b, conv_state, recurrent_state, step: "StepRows", index: int, kernels):
-        """The conv and the delta rule of a step's live rows, one row at a time through the one-token kernels, so
-        every row computes the bytes a one-token decode step computes; the states after each row are kept in
-        ``step.states`` (a verify). Rows past ``step.live`` are padding: their output is zero."""
+        """The conv and the delta rule of a step's live rows. A decode step (one live row, no ``step.states``) runs
+        the one-token kernels on the state; a verify runs the rows kernels, which compute every row's bytes as a
+        one-token step would and keep the state after each row in ``step.states`` (the arena's state is left for
+        the commit to replace). Rows past ``step.live`` are padding: their output is zero."""
         cfg = self.cfg
+        live, weight = step.live, self.conv1d.weight[:, 0, :]
         core = torch.zeros(mixed.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim,
                            dtype=mixed.dtype, device=mixed.device)
-        for row in range(step.live):
-            q, k, v = self._qkv(kernels.causal_conv(mixed[row:row + 1], conv_state, self.conv1d.weight[:, 0, :]))
-            core[row:row + 1] = kernels.gated_delta_rule(q, k, v, a[row:row + 1], b[row:row + 1], self.A_log,
-                                                         self.dt_bias, recurrent_state)
-            if step.states is not None:
-                step.states.view(row, "conv")[index].copy_(conv_state)
-                step.states.view(row, "recurrent")[index].copy_(recurrent_state)
+        if step.states is None:
+            q, k, v = self._qkv(kernels.causal_conv(mixed[:live], conv_state, weight))
+            core[:live] = kernels.gated_delta_rule(q, k, v, a[:live], b[:live], self.A_log, self.dt_bias,
+                                                   recurrent_state)
+            return core
+        conv_rows, recurrent_rows = (step.states.view(slice(None), name)[:live, index]
+                                     for name in ("conv", "recurrent"))
+        q, k, v = self._qkv(kernels.causal_conv_rows(mixed[:live], conv_state, weight, conv_rows))
+        core[:live] = kernels.gated_delta_rule_rows(q, k, v, a[:live], b[:live], self.A_log, self.dt_bias,
+                                                    recurrent_state, recurrent_rows)
         return core
 
 

@@ -2,7 +2,8 @@
 
 A step runs the main model over a fixed number of rows, :data:`STEP_ROWS`, of which ``k + 1`` are live:
 
-1. the next token is picked (greedy or the seeded draw) from the arena's last hidden state, as plain decoding does;
+1. the next token is picked (greedy or the seeded draw) from the arena's last hidden state, as plain decoding does,
+   unless the verify before already picked it (*carried*: see below);
 2. with ``k`` > 0, the MTP head drafts ``k`` more tokens greedily, each from the one before, among the first
    ``draft_vocab`` token ids (BPE ids are ranked by merge frequency, so a prefix of the vocabulary holds most of
    what is generated, and the head's LM-head read shrinks with it; drafts change only how many tokens a step
@@ -21,10 +22,17 @@ Why the state is exact. None of the runtime's GEMMs gives a row the same bytes a
 GEMV against its GEMM, cuBLAS, the fused quantized GEMV and its rows buckets), so a verify over k + 1 rows cannot
 equal k + 1 one-row decode steps. Instead every step, plain decode included, has STEP_ROWS rows: one GEMM shape,
 where a row's bytes do not depend on its index or on the other rows; the recurrent parts (conv, gated delta rule)
-run row by row through the one-token kernels; attention masks by position over the KV bucket of the first row,
+run the rows kernels, which compute each row as the one-token kernels do and write the state after each row
+straight into RowStates (one launch per layer, no copies); attention masks by position over the KV bucket of the first row,
 and a step drafts only as far as that bucket reaches. Committing ``c`` tokens then copies row ``c - 1``'s state into
 the arena: bit-identical to ``c`` plain steps. KV rows past the committed position are zeroed (the main and the MTP
 cache). The MTP head's KV rows written while drafting are rewritten by the verify with the model's hidden states.
+
+The carried pick. The verify's logits of row ``c - 1`` are the logits of the state that committing ``c`` tokens makes
+live, through the same STEP_ROWS-row head, so the verify also picks after its last live row and keeps the pick
+after the committed one in ``next_pick`` (a draw under the counter plain decoding would use there). A step that
+starts at exactly that state (the engine checks: same commit boundary, same sampling, no grammar) takes it instead
+of reading the LM head again: the same token, one LM-head read less per step.
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ from .sampler import Sampler
 
 MAX_SPECULATIVE_TOKENS = 4
 STEP_ROWS = MAX_SPECULATIVE_TOKENS + 1
+MASK_ROWS = STEP_ROWS + 1      # the picked token's, and the pick's after each verify row
 
 
 class RowStates:
@@ -82,8 +91,8 @@ class Stats:
 
 class Stepper:
     """The static buffers and the step function of every (k, greedy, kv bucket), over the model's arena and the
-    engine's token buffer (``tokens``, at least STEP_ROWS long) and its mask words (``mask_words``, one row of words
-    per step row, see constraint.py: row 0 masks the picked token, row j + 1 the check after verify row j)."""
+    engine's token buffer (``tokens``, at least STEP_ROWS long) and its mask words (``mask_words``, MASK_ROWS rows
+    of words, see constraint.py: row 0 masks the picked token, row j + 1 the pick after verify row j)."""
 
     def __init__(self, model: Qwen35, sampler: Sampler, tokens: torch.Tensor, mask_words: torch.Tensor,
                  mask_lookup: tuple[torch.Tensor, torch.Tensor], draft_vocab: int):
@@ -98,23 +107,31 @@ class Stepper:
         self.hidden_rows = torch.zeros(STEP_ROWS, hidden.shape[0], dtype=hidden.dtype, device=device)
         self.pick_rows = torch.zeros_like(self.hidden_rows)               # row 0: the arena's hidden state
         self.offsets = torch.arange(STEP_ROWS, device=device)
+        self.next_pick = torch.zeros(1, dtype=torch.int64, device=device)  # the pick after the committed rows
 
     def _pick(self, logits: torch.Tensor, greedy: bool, row: int) -> torch.Tensor:
         logits = apply_mask(logits, self.mask_words[row], self.mask_lookup)
         return self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
 
-    def _pick_first(self, greedy: bool) -> None:
-        """tokens[0]: the (masked) pick from the arena's last hidden state, through the step's STEP_ROWS-row head."""
+    def _pick_first(self, greedy: bool, carried: bool) -> None:
+        """tokens[0]: the (masked) pick from the arena's last hidden state, through the step's STEP_ROWS-row head;
+        ``carried``: the verify before picked it (``next_pick``), and its draw is counted here as a pick's is."""
+        if carried:
+            self.tokens[:1].copy_(self.next_pick)
+            if not greedy:
+                self.arena["meta"][RNG_COUNTER] += 1
+            return
         self.pick_rows[0].copy_(self.arena["hidden"])
         self.tokens[:1].copy_(self._pick(self.model.logits(self.pick_rows)[0], greedy, 0))
 
-    def step(self, k: int, greedy: bool, kv_len: int):
+    def step(self, k: int, greedy: bool, kv_len: int, carried: bool = False):
         """The step with ``k`` drafts (set ``count`` to k + 1 before running it); it leaves the picked token and the
-        drafts in ``tokens[:k + 1]`` and, with k > 0, the number to commit in ``committed``. With k > 0 it is
-        :meth:`draft` then :meth:`verify`, which a constrained step runs apart (the masks of the verify rows depend
-        on the drafts)."""
+        drafts in ``tokens[:k + 1]`` and, with k > 0, the number to commit in ``committed`` and the pick after
+        them in ``next_pick``. ``carried``: its first token is the ``next_pick`` of the step before. With k > 0 it
+        is :meth:`draft` then :meth:`verify`, which a constrained step runs apart (the masks of the verify rows
+        depend on the drafts)."""
         if k:
-            draft, verify = self.draft(k, greedy, kv_len), self.verify(k, greedy, kv_len)
+            draft, verify = self.draft(k, greedy, kv_len, carried), self.verify(k, greedy, kv_len)
 
             def run():
                 draft()
@@ -123,17 +140,17 @@ class Stepper:
         model, tokens = self.model, self.tokens
 
         def run_undrafted():
-            self._pick_first(greedy)
+            self._pick_first(greedy, carried)
             model.forward(tokens[:STEP_ROWS], kv_len, count=self.count, step=StepRows(live=1))
         return run_undrafted
 
-    def draft(self, k: int, greedy: bool, kv_len: int):
+    def draft(self, k: int, greedy: bool, kv_len: int, carried: bool = False):
         """The first part of a step with ``k`` > 0 drafts: the picked token, then the MTP head's drafts, in
         ``tokens[:k + 1]``."""
         meta = self.arena["meta"]
 
         def run():
-            self._pick_first(greedy)
+            self._pick_first(greedy, carried)
             rows_meta = self.rows.view(slice(None), "meta")                  # after row j: as plain after token j
             rows_meta.copy_(meta.expand(STEP_ROWS, -1))
             rows_meta[:, POSITION] += self.offsets + 1
@@ -144,7 +161,9 @@ class Stepper:
 
     def verify(self, k: int, greedy: bool, kv_len: int):
         """The second part: the main model over the picked token and the drafts, each draft checked against the
-        model's own (masked) pick after the row before it; the number to commit in ``committed``."""
+        model's own (masked) pick after the row before it; the number to commit in ``committed``, the pick after
+        the last committed row in ``next_pick`` (masked by mask row k + 1 after the last draft: all allowed unless
+        a grammar is live, and then the engine does not carry it)."""
         model, tokens = self.model, self.tokens
 
         def run():
@@ -154,8 +173,9 @@ class Stepper:
                           step=StepRows(live=k + 1, states=self.rows, hidden=self.hidden_rows))
             self.rows.view(slice(None), "hidden").copy_(self.hidden_rows)
             logits = model.logits(self.hidden_rows)
-            checks = torch.cat([self._pick(logits[row], greedy, row + 1) for row in range(k)])
-            self.committed.copy_(1 + (checks == tokens[1:k + 1]).long().cumprod(0).sum())
+            picks = torch.cat([self._pick(logits[row], greedy, row + 1) for row in range(k + 1)])
+            self.committed.copy_(1 + (picks[:k] == tokens[1:k + 1]).long().cumprod(0).sum())
+            self.next_pick.copy_(picks.index_select(0, (self.committed - 1).view(1)))
         return run
 
     def _draft(self, k: int, kv_len: int) -> None:

@@ -7,13 +7,16 @@ tokens the model accepts) or are random ids. Each row decodes ``decode_tokens`` 
 time is the median over ``repeats`` of the whole decode (every step synchronised, as a robot would stream it).
 
 Seeded random weights (the 0.8B / 27B shape presets) accept almost no drafts, so their rows measure what a step
-with k drafts costs; ``assumed_acceptance`` a then adds the tok/s such a step would give if each draft were accepted
-with probability a independently: (1 - a^(k+1)) / (1 - a) tokens per step over the measured step time.
+with k drafts costs. A projection then adds the tok/s such a step would give: ``assumed_acceptance`` a, each draft
+accepted with probability a independently ((1 - a^(k+1)) / (1 - a) tokens per step); or ``acceptance_from``, the
+tokens per step a trained model measured at each k (another bench-spec result, e.g. on the same GPU), over the
+measured step time, and its ratio to plain decoding.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import random
 import statistics
 import subprocess
@@ -39,6 +42,7 @@ class SpecBenchConfig:
     repeats: int = 3
     text: str = ""
     assumed_acceptance: float = 0.0     # > 0: also project tok/s at this per-draft acceptance (random weights)
+    acceptance_from: str = ""           # a bench-spec JSON: project tok/s at its measured tokens per step
 
 
 def _prompts(engine: Engine, cfg: SpecBenchConfig) -> list[list[int]]:
@@ -74,8 +78,29 @@ def _commit() -> str:
         return ""
 
 
+def _projection(cfg: SpecBenchConfig) -> tuple[str, dict[int, float]]:
+    """The projection's label and tokens per step by drafts (empty: none)."""
+    if cfg.acceptance_from:
+        try:
+            measured = json.loads(Path(cfg.acceptance_from).read_text(encoding="utf-8"))
+            per_step = {r["speculative_tokens"]: r["tokens_per_step"] for r in measured["rows"]}
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"--acceptance-from {cfg.acceptance_from}: not a "
+                                                           f"bench-spec result ({err})") from None
+        missing = sorted(set(cfg.drafts) - set(per_step))
+        if missing:
+            raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"--acceptance-from {cfg.acceptance_from} has no row for "
+                                                           f"drafts {missing}")
+        return f"{Path(measured['model']).name}'s tokens/step", {k: max(1.0, per_step[k]) for k in cfg.drafts}
+    a = cfg.assumed_acceptance
+    if not a:
+        return "", {}
+    return f"{a:.0%}", {k: sum(a ** i for i in range(k + 1)) for k in cfg.drafts}
+
+
 def run(cfg: SpecBenchConfig) -> dict:
     rows, baseline = [], None
+    label, per_step = _projection(cfg)
     prompts = None
     for drafts in cfg.drafts:
         engine = Engine(dataclasses.replace(cfg.engine, speculative_tokens=drafts))
@@ -93,13 +118,14 @@ def run(cfg: SpecBenchConfig) -> dict:
                "tokens_per_step": stats.tokens_per_step, "tokens_per_s": tokens / wall,
                "ms_per_token": 1000.0 * wall / tokens, "tokens": tokens}
         row["step_ms"] = row["ms_per_token"] * row["tokens_per_step"]
-        if cfg.assumed_acceptance:
-            a = cfg.assumed_acceptance
-            row["projected_tokens_per_s"] = 1000.0 * sum(a ** i for i in range(drafts + 1)) / row["step_ms"]
+        if per_step:
+            row["projected_tokens_per_s"] = 1000.0 * per_step[drafts] / row["step_ms"]
         if baseline is None:
             baseline = (outputs, row)
         row["token_identical"] = outputs == baseline[0]
         row["speedup"] = row["tokens_per_s"] / baseline[1]["tokens_per_s"]
+        if per_step:
+            row["projected_speedup"] = row["projected_tokens_per_s"] / baseline[1]["projected_tokens_per_s"]
         rows.append(row)
         del engine
     return {"model": cfg.engine.model, "device": cfg.engine.device,
@@ -108,19 +134,23 @@ def run(cfg: SpecBenchConfig) -> dict:
             "dtype": cfg.engine.dtype, "kernels": cfg.engine.kernels, "draft_vocab": cfg.engine.draft_vocab,
             "dense_gemv": cfg.engine.dense_gemv, "prompts": cfg.prompts, "context": cfg.context,
             "decode_tokens": cfg.decode_tokens, "repeats": cfg.repeats, "text": cfg.text,
-            "assumed_acceptance": cfg.assumed_acceptance, "commit": _commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "assumed_acceptance": cfg.assumed_acceptance, "acceptance_from": cfg.acceptance_from,
+            "projection": label, "commit": _commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch_threads": torch.get_num_threads(), "rows": rows,
             "token_identical": all(r["token_identical"] for r in rows)}
 
 
 def markdown(result: dict) -> str:
-    projected = bool(result["assumed_acceptance"])
+    label = result.get("projection") or (f"{result['assumed_acceptance']:.0%}" if result["assumed_acceptance"]
+                                         else "")          # older results: no label, the assumed acceptance
+    with_ratio = "projected_speedup" in result["rows"][0]
     lines = ["| drafts | acceptance | tokens/step | step ms | tok/s | ms/token | vs plain | same tokens |"
-             + (f" tok/s at {result['assumed_acceptance']:.0%} |" if projected else ""),
-             "|---:|---:|---:|---:|---:|---:|---:|:---:|" + ("---:|" if projected else "")]
+             + (f" tok/s at {label} |" if label else "") + (" vs plain there |" if with_ratio else ""),
+             "|---:|---:|---:|---:|---:|---:|---:|:---:|" + ("---:|" if label else "") + ("---:|" if with_ratio else "")]
     for r in result["rows"]:
         lines.append(f"| {r['speculative_tokens']} | {r['acceptance_rate']:.1%} | {r['tokens_per_step']:.2f} | "
                      f"{r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} | {r['speedup']:.2f}x | "
                      f"{'yes' if r['token_identical'] else 'NO'} |"
-                     + (f" {r['projected_tokens_per_s']:.1f} |" if projected else ""))
+                     + (f" {r['projected_tokens_per_s']:.1f} |" if label else "")
+                     + (f" {r['projected_speedup']:.2f}x |" if with_ratio else ""))
     return "\n".join(lines)

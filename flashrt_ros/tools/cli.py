@@ -138,7 +138,7 @@ def cmd_bench_spec(args) -> dict:
         engine=_config(args, args.context + args.decode_tokens + 8, 64, 64, checksum=False),
         drafts=tuple(int(d) for d in args.drafts.split(",")), prompts=args.prompts, context=args.context,
         decode_tokens=args.decode_tokens, repeats=args.repeats, text=args.text,
-        assumed_acceptance=args.assumed_acceptance)
+        assumed_acceptance=args.assumed_acceptance, acceptance_from=args.acceptance_from)
     result = bench_spec.run(cfg)
     return _report(result, bench_spec.markdown(result), args.out)
 
@@ -247,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "random ids")
     bs.add_argument("--assumed-acceptance", type=float, default=0.0,
                     help="also project tok/s at this per-draft acceptance (for random-weight shape presets)")
+    bs.add_argument("--acceptance-from", default="",
+                    help="also project tok/s at the tokens per step of this bench-spec result (a trained model's)")
     bs.add_argument("--out", help="write the JSON result here too")
     bs.set_defaults(func=cmd_bench_spec)
     bc = sub.add_parser("bench-capsules", help="delta capsules, sibling restore, spill/fetch per tier, files")

@@ -194,6 +194,51 @@ def test_gated_delta_rule_triton_refuses_bad_layouts_and_leaves_the_state():
     assert torch.equal(arena.buffer, arena.original)
 
 
+def check_rows_kernel_equals_one_row_steps(layout, live, dtype, seed):
+    """The rows kernels (a speculative verify) against ``live`` one-token steps: the Triton rows kernel gives every
+    row's output and the state after it byte for byte as one-row launches of the decode kernel do, the reference
+    rows function as one-token reference steps do (and the two within tolerance); the state is only read, and the
+    row states sit strided in a larger buffer (as in ``RowStates``) whose other bytes survive."""
+    inputs, arena = gdn_inputs(live, GDN_LAYOUTS[layout], dtype, seed=seed)
+    size = arena.state.numel()
+    for kernel, rows_kernel in ((delta_rule.gated_delta_rule_triton, delta_rule.gated_delta_rule_rows_triton),
+                                (delta_rule.gated_delta_rule_reference, delta_rule.gated_delta_rule_rows)):
+        buffer = torch.randn(live, size + 40, generator=gen(seed)).to(DEVICE)
+        original = buffer.clone()
+        rows = buffer[:, 24:24 + size].unflatten(1, arena.state.shape)
+        out = rows_kernel(*inputs, arena.state, rows)
+        assert arena.outside_untouched() and torch.equal(arena.buffer, arena.original), "the state is only read"
+        assert torch.equal(buffer[:, :24], original[:, :24]) and torch.equal(buffer[:, 24 + size:],
+                                                                             original[:, 24 + size:])
+        state = arena.state.clone()
+        for row in range(live):
+            one = kernel(*(t[row:row + 1] if t.dim() >= 2 else t for t in inputs), state)
+            name = f"{kernel.__name__} row {row} of {live}"
+            assert_same_bytes(f"{name}: output", out[row:row + 1], one)
+            assert_same_bytes(f"{name}: state after it", rows[row], state)
+        if rows_kernel is delta_rule.gated_delta_rule_rows_triton:
+            fast, fast_rows = out, rows.clone()
+    assert rel(fast, out) <= TOLERANCE[dtype] and rel(fast_rows, rows) <= STATE_TOLERANCE
+
+
+@needs_triton
+@pytest.mark.parametrize("live", [1, 2, 5])
+@pytest.mark.parametrize("layout", ["tiny", "0.8b"])
+def test_gated_delta_rule_rows_equal_one_row_steps(layout, live):
+    check_rows_kernel_equals_one_row_steps(layout, live, torch.bfloat16, seed_of("rows", layout, live))
+
+
+@needs_triton
+def test_gated_delta_rule_rows_refuses_rows_not_laid_out_as_the_state():
+    inputs, arena = gdn_inputs(2, GDN_LAYOUTS["tiny"], torch.float32, seed=9)
+    for rows, message in ((torch.zeros(3, *arena.state.shape, device=DEVICE), "rows must be"),
+                          (torch.zeros(2, *arena.state.shape, device=DEVICE).transpose(2, 3), "rows must be"),
+                          (torch.zeros(2, *arena.state.shape, device=DEVICE, dtype=torch.float64), "rows must be")):
+        with pytest.raises(LayoutError, match=message):
+            delta_rule.gated_delta_rule_rows_triton(*inputs, arena.state, rows)
+    assert torch.equal(arena.buffer, arena.original)
+
+
 # ---- attention -------------------------------------------------------------------------------------------------
 
 def attention_inputs(length, span, layout, dtype, seed):
@@ -324,6 +369,15 @@ def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
     alone = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs), alone_state)
     assert_same_bytes(f"state of a bucket of {length} with count {n} vs {n} rows alone", padded_state, alone_state)
     assert_same_bytes(f"output of a bucket of {length} with count {n} vs {n} rows alone", padded[:n], alone)
+
+
+@on_gpu
+@pytest.mark.parametrize("layout", ["0.8b", "27b"])
+@pytest.mark.parametrize("live", [2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_gated_delta_rule_rows_equal_one_row_steps(layout, live, dtype):
+    """Compiled, the rows kernel (STORE_ROWS) still computes the decode kernel's bytes row by row."""
+    check_rows_kernel_equals_one_row_steps(layout, live, dtype, seed_of("gpu rows", layout, live))
 
 
 @on_gpu

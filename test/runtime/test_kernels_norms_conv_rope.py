@@ -19,7 +19,7 @@ from flashrt_ros.runtime.config import PRESETS
 from flashrt_ros.runtime.kernels import _triton
 from flashrt_ros.runtime.kernels._layout import LayoutError
 from flashrt_ros.runtime.kernels.activations import silu_mul, silu_mul_triton
-from flashrt_ros.runtime.kernels.conv import causal_conv, causal_conv_triton
+from flashrt_ros.runtime.kernels.conv import causal_conv, causal_conv_rows, causal_conv_rows_triton, causal_conv_triton
 from flashrt_ros.runtime.kernels.norms import (add_rms_norm, add_rms_norm_triton, gated_rms_norm,
                                                 gated_rms_norm_triton, rms_norm, rms_norm_triton)
 from flashrt_ros.runtime.kernels.rope import qk_norm_rope_kv_write, qk_norm_rope_kv_write_triton
@@ -161,6 +161,28 @@ def check_causal_conv(draw: Draw, length: int, channels: int, dtype, count_kind:
     assert torch.equal(ref_state, torch.cat([state, x[:n]])[-(state.shape[0]):])
 
 
+def check_causal_conv_rows(draw: Draw, live: int, channels: int, dtype, kernel: int = 4) -> None:
+    """The rows conv (a speculative verify) against ``live`` one-row steps, byte for byte, for the Triton kernel
+    (against one-row launches of the decode kernel) and the reference (against one-row reference steps): every
+    row's output and the state after it, the state only read, the row states strided in a larger buffer (as in
+    ``RowStates``) whose other bytes survive."""
+    x, state, weight = conv_inputs(draw, live, channels, dtype, kernel)
+    before = state.clone()
+    for conv, rows_conv in ((causal_conv_triton, causal_conv_rows_triton), (causal_conv, causal_conv_rows)):
+        buffer = draw.randn(live, state.numel() + 30, dtype=dtype)
+        original = buffer.clone()
+        rows = buffer[:, 10:10 + state.numel()].unflatten(1, state.shape)
+        out = rows_conv(x, state, weight, rows)
+        assert torch.equal(state, before), "the state is only read"
+        assert torch.equal(buffer[:, :10], original[:, :10]) and torch.equal(buffer[:, 10 + state.numel():],
+                                                                             original[:, 10 + state.numel():])
+        stepped = state.clone()
+        for row in range(live):
+            assert_same_bytes(f"{rows_conv.__name__} row {row} of {live}: output", out[row:row + 1],
+                              conv(x[row:row + 1], stepped, weight))
+            assert_same_bytes(f"{rows_conv.__name__} row {row} of {live}: state after it", rows[row], stepped)
+
+
 def attention_inputs(draw: Draw, length: int, cfg, dtype, context: int, layers: int = 2):
     """q, k, v as views of one fused projection output, and an arena-like KV [T, layers, 2, Hkv, D]."""
     heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -219,6 +241,22 @@ def test_causal_conv_decode_and_small_pieces(draw, preset, dtype, count_kind):
     """Decode (one row, no count) and bucketed small pieces (count of all rows, of fewer rows): one launch each."""
     length = 1 if count_kind == "none" else draw.int(2, 8)
     check_causal_conv(draw, length, PRESETS[preset].conv_dim, dtype, count_kind)
+
+
+@pytest.mark.parametrize("live", [1, 2, 5])
+@pytest.mark.parametrize("preset,dtype", PRESET_CASES[:4])
+def test_causal_conv_rows_equal_one_row_steps(draw, preset, dtype, live):
+    check_causal_conv_rows(draw, live, PRESETS[preset].conv_dim, dtype)
+
+
+def test_causal_conv_rows_refuses_rows_not_laid_out_as_the_state(draw):
+    x, state, weight = conv_inputs(draw, 3, 40, torch.float32)
+    for rows in (torch.zeros(2, *state.shape), torch.zeros(3, *state.shape, dtype=torch.float64),
+                 torch.zeros(3, state.shape[1], state.shape[0]).transpose(1, 2)):
+        with pytest.raises(LayoutError, match="rows must be"):
+            causal_conv_rows_triton(x, state, weight, rows.to(DEVICE))
+    with pytest.raises(LayoutError, match="at most"):
+        causal_conv_rows_triton(*conv_inputs(draw, 40, 8, torch.float32), torch.zeros(40, 3, 8, device=DEVICE))
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 37, 70])
@@ -362,6 +400,8 @@ def test_gpu_realistic_sizes(draw, op, preset, dtype, length):
     elif op == "conv":
         for count_kind in ("none", "fewer"):
             check_causal_conv(draw, length, cfg.conv_dim, dtype, count_kind)
+        for live in (2, 5):          # a speculative verify's rows, compiled: the decode kernel's bytes row by row
+            check_causal_conv_rows(draw, live, cfg.conv_dim, dtype)
     else:
         for count_kind in ("none", "fewer"):
             check_qk_norm_rope_kv_write(draw, length, cfg, dtype, count_kind, context=max(2 * length, 64))

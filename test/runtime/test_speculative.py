@@ -22,54 +22,9 @@ from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError, S
 from flashrt_ros.runtime.arena import POSITION
 from flashrt_ros.runtime.engine import PLAN_VERSION, SPECULATIVE_PLAN_VERSION
 from flashrt_ros.runtime.speculative import Stepper
+from speculative_streams import assert_same_stream, engine, prompts, run, run_undrafted, undrafted
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
-
-
-def engine(folder, k: int, **overrides) -> Engine:
-    return Engine(EngineConfig(model=str(folder), speculative_tokens=k, max_context=512, **overrides))
-
-
-def prompts(folder, engine_: Engine, count: int, length: int) -> list[list[int]]:
-    text = (folder / "heldout.txt").read_text(encoding="utf-8")
-    ids = engine_.tokenizer.encode(text)
-    return [ids[i * 97:i * 97 + length] for i in range(count)]
-
-
-def run(e: Engine, prompt: list[int], tokens: int, sampling=None) -> tuple[list[int], list[torch.Tensor]]:
-    """Tokens and the live bytes after each of them."""
-    e.reset()
-    e.ingest(prompt)
-    out, states = [], []
-    for token in e.generate(tokens, sampling, stop_token_ids=[]):
-        out.append(token)
-        states.append(e.live_bytes())
-    return out, states
-
-
-def undrafted(e: Engine, tokens: int, sampling=None):
-    """The oracle's stream: one token per generate call on an engine of the speculative plan, so no step drafts."""
-    assert e.plan == SPECULATIVE_PLAN_VERSION
-    for _ in range(tokens):
-        yield from e.generate(1, sampling, stop_token_ids=[])
-        assert e.generation_stats.drafted == 0
-
-
-def run_undrafted(e: Engine, prompt: list[int], tokens: int, sampling=None) -> tuple[list[int], list[torch.Tensor]]:
-    """:func:`run` through the oracle's stream."""
-    e.reset()
-    e.ingest(prompt)
-    out, states = [], []
-    for token in undrafted(e, tokens, sampling):
-        out.append(token)
-        states.append(e.live_bytes())
-    return out, states
-
-
-def assert_same_stream(got, want):
-    assert got[0] == want[0]
-    for index, (a, b) in enumerate(zip(got[1], want[1])):
-        assert torch.equal(a, b), f"live state differs after token {index}"
 
 
 @pytest.mark.timeout(900)
@@ -134,6 +89,48 @@ def test_seeded_sampling_is_the_draw_of_its_plan_and_replays_from_a_capsule(trai
         e.restore("mid")
         assert list(e.generate(23, SAMPLED, stop_token_ids=[])) == rest
         assert torch.equal(e.live_bytes(), want[1][-1])
+
+
+@pytest.mark.parametrize("sampling", [None, SAMPLED], ids=["greedy", "sampled"])
+def test_a_step_after_a_verify_takes_its_pick_and_never_a_stale_one(trained, sampling):
+    """A step that starts where a verify left the state (the step before had drafts) takes that verify's pick
+    instead of reading the LM head for it, also across generate calls; after a restore, a reseed or a change of
+    sampling the state or the draw differs, so the step picks again. Every token is the oracle's."""
+    folder, _ = trained
+    spec, oracle = engine(folder, 2), engine(folder, 1)
+    prompt = prompts(folder, oracle, 1, 24)[0]
+    want = run_undrafted(oracle, prompt, 40, sampling)[0]
+    steps, head_reads = [], []                   # (drafts, carried) of every step; LM-head reads for a first pick
+    step, logits = spec.stepper.step, spec.model.logits
+    spec.stepper.step = lambda k, greedy, kv_len, carried=False: steps.append((k, carried)) or step(k, greedy, kv_len,
+                                                                                                      carried)
+    spec.model.logits = lambda hidden=None, **kw: (head_reads.append(1) if hidden is spec.stepper.pick_rows
+                                                   else None) or logits(hidden, **kw)
+
+    def generate(tokens, params, carried_first: bool) -> list[int]:
+        before = len(steps)
+        out = list(spec.generate(tokens, params, stop_token_ids=[]))
+        mine = steps[before:]
+        assert mine[0][1] == carried_first, mine
+        for (previous, _), (_, carried) in zip(mine, mine[1:]):
+            assert carried == (previous > 0), mine        # carried exactly after a step with drafts
+        assert len(head_reads) == sum(not carried for _, carried in steps), "a carried step read the LM head"
+        return out
+
+    spec.reset()
+    spec.ingest(prompt)
+    got = generate(20, sampling, carried_first=False)
+    spec.snapshot("at20")
+    got += generate(10, sampling, carried_first=steps[-1][0] > 0)      # same boundary, same sampling
+    spec.restore("at20")                                                # the same state, but restored
+    assert generate(10, sampling, carried_first=False) == want[20:30]
+    got += generate(10, sampling, carried_first=steps[-1][0] > 0)
+    assert got == want
+    assert sum(carried for _, carried in steps) >= 5, steps
+    other = SamplingParams(temperature=0.5) if sampling is None else None
+    generate(3, other, carried_first=False)                             # another sampling
+    spec.reseed(5)
+    generate(3, other, carried_first=False)                             # another draw
 
 
 def test_capsules_do_not_move_between_speculation_on_and_off(trained, tmp_path):

@@ -15,10 +15,11 @@ import torch
 from ._triton import IMPORT_ERROR, triton
 from .activations import silu_mul, silu_mul_triton
 from .attention import attention_causal, attention_decode_triton, attention_masked, attention_prefill
-from .conv import causal_conv, causal_conv_triton
+from .conv import causal_conv, causal_conv_rows, causal_conv_rows_triton, causal_conv_triton
 from .dense_gemv import dense_linear, dense_linear_triton
 from .delta_rule import (delta_rule_chunked, delta_rule_fla, delta_rule_gates, delta_rule_recurrent, fla_available,
-                         gated_delta_rule_reference, gated_delta_rule_triton)
+                         gated_delta_rule_reference, gated_delta_rule_rows, gated_delta_rule_rows_triton,
+                         gated_delta_rule_triton)
 from .norms import (add_rms_norm, add_rms_norm_triton, gated_rms_norm, gated_rms_norm_triton, l2norm, rms_norm,
                     rms_norm_triton)
 from .rope import apply_rope, qk_norm_rope_kv_write, qk_norm_rope_kv_write_triton
@@ -37,8 +38,10 @@ class KernelSet:
     gated_rms_norm: Callable
     silu_mul: Callable
     causal_conv: Callable
+    causal_conv_rows: Callable     # a speculative verify's rows, keeping the state after each
     qk_norm_rope_kv_write: Callable
     gated_delta_rule: Callable     # decode and pieces <= SMALL_PIECE (graph-captured on CUDA)
+    gated_delta_rule_rows: Callable  # a speculative verify's rows, keeping the state after each
     delta_rule_long: Callable      # eager pieces > SMALL_PIECE
     attention_decode: Callable     # queries at arbitrary positions over a KV bucket
     attention_prefill: Callable    # queries that are the last L of exactly T positions
@@ -47,14 +50,16 @@ class KernelSet:
 
 REFERENCE = KernelSet(
     name="reference", rms_norm=rms_norm, add_rms_norm=add_rms_norm, gated_rms_norm=gated_rms_norm,
-    silu_mul=silu_mul, causal_conv=causal_conv, qk_norm_rope_kv_write=qk_norm_rope_kv_write,
-    gated_delta_rule=gated_delta_rule_reference, delta_rule_long=gated_delta_rule_reference,
+    silu_mul=silu_mul, causal_conv=causal_conv, causal_conv_rows=causal_conv_rows,
+    qk_norm_rope_kv_write=qk_norm_rope_kv_write, gated_delta_rule=gated_delta_rule_reference,
+    gated_delta_rule_rows=gated_delta_rule_rows, delta_rule_long=gated_delta_rule_reference,
     attention_decode=attention_masked, attention_prefill=attention_causal)
 
 TRITON = KernelSet(
     name="triton", rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton, gated_rms_norm=gated_rms_norm_triton,
-    silu_mul=silu_mul_triton, causal_conv=causal_conv_triton, qk_norm_rope_kv_write=qk_norm_rope_kv_write_triton,
-    gated_delta_rule=gated_delta_rule_triton, delta_rule_long=gated_delta_rule_reference,
+    silu_mul=silu_mul_triton, causal_conv=causal_conv_triton, causal_conv_rows=causal_conv_rows_triton,
+    qk_norm_rope_kv_write=qk_norm_rope_kv_write_triton, gated_delta_rule=gated_delta_rule_triton,
+    gated_delta_rule_rows=gated_delta_rule_rows_triton, delta_rule_long=gated_delta_rule_reference,
     attention_decode=attention_decode_triton, attention_prefill=attention_prefill)
 
 

@@ -34,34 +34,36 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
 
 
 @jit
-def _conv_state_update(x_ptr, x_row, state_ptr, count_ptr, L, cols, col_mask, C, K: tl.constexpr,
-                       K_POW2: tl.constexpr, HAS_COUNT: tl.constexpr):
-    """state <- rows count .. count+K-2 of cat(state, x) for this program's channels (count = L without a count).
-    A barrier separates every read of the old state (also the caller's) from the writes."""
-    if HAS_COUNT:
-        count = tl.load(count_ptr)
-    else:
-        count = L
+def _conv_window(x_ptr, x_row, state_ptr, end, cols, col_mask, C, K: tl.constexpr, K_POW2: tl.constexpr):
+    """The state after the first ``end`` rows of x: rows end .. end+K-2 of cat(state, x), for this program's
+    channels, as (its [K_POW2, BLOCK_C] values, their row index r, the mask of real rows and channels)."""
     r = tl.arange(0, K_POW2)
-    src = (count + r - (K - 1)).to(tl.int64)          # row in x; negative: row src + K - 1 of the old state
+    src = (end + r - (K - 1)).to(tl.int64)            # row in x; negative: row src + K - 1 of the old state
     live = (r < K - 1)[:, None] & col_mask[None, :]
     from_x = tl.load(x_ptr + src[:, None] * x_row + cols[None, :], mask=live & (src >= 0)[:, None], other=0.0)
     from_state = tl.load(state_ptr + (src + K - 1)[:, None] * C + cols[None, :], mask=live & (src < 0)[:, None],
                          other=0.0)
-    new = tl.where((src < 0)[:, None], from_state, from_x.to(from_state.dtype))
+    return tl.where((src < 0)[:, None], from_state, from_x.to(from_state.dtype)), r, live
+
+
+@jit
+def _conv_state_update(x_ptr, x_row, state_ptr, count_ptr, L, cols, col_mask, C, K: tl.constexpr,
+                       K_POW2: tl.constexpr, HAS_COUNT: tl.constexpr):
+    """state <- its window after ``count`` rows (L without a count) for this program's channels. A barrier separates
+    every read of the old state (also the caller's) from the writes."""
+    if HAS_COUNT:
+        count = tl.load(count_ptr)
+    else:
+        count = L
+    new, r, live = _conv_window(x_ptr, x_row, state_ptr, count, cols, col_mask, C, K, K_POW2)
     tl.debug_barrier()
     tl.store(state_ptr + r[:, None] * C + cols[None, :], new, mask=live)
 
 
 @jit
-def _conv_kernel(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, count_ptr, L, C, K: tl.constexpr,
-                 K_POW2: tl.constexpr, HAS_COUNT: tl.constexpr, UPDATE_STATE: tl.constexpr,
-                 BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Output rows [pid0 * BLOCK_L, +BLOCK_L) x channels [pid1 * BLOCK_C, +BLOCK_C). With UPDATE_STATE (only when one
-    program covers all rows of its channels) it also writes the new state, after all its reads."""
-    t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < C
+def _conv_out(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, t, cols, col_mask, L, C, K: tl.constexpr,
+              BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Output rows ``t`` [BLOCK_L] x channels ``cols`` [BLOCK_C]: conv over cat(state, x), SiLU, stored."""
     acc = tl.zeros((BLOCK_L, BLOCK_C), dtype=tl.float32)
     for k in tl.static_range(K):
         src = (t + k - (K - 1)).to(tl.int64)          # row in x; negative: row src + K - 1 of the state
@@ -74,8 +76,34 @@ def _conv_kernel(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, count_ptr, L, C
     conv = round_like(acc, out_ptr)                   # the conv's output in the model dtype, then SiLU on it
     out = round_like(conv / (1.0 + tl.exp(-conv)), out_ptr).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * C + cols[None, :], out, mask=(t < L)[:, None] & col_mask[None, :])
+
+
+@jit
+def _conv_kernel(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, count_ptr, L, C, K: tl.constexpr,
+                 K_POW2: tl.constexpr, HAS_COUNT: tl.constexpr, UPDATE_STATE: tl.constexpr,
+                 BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Output rows [pid0 * BLOCK_L, +BLOCK_L) x channels [pid1 * BLOCK_C, +BLOCK_C). With UPDATE_STATE (only when one
+    program covers all rows of its channels) it also writes the new state, after all its reads."""
+    t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    _conv_out(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, t, cols, col_mask, L, C, K, BLOCK_L, BLOCK_C)
     if UPDATE_STATE:
         _conv_state_update(x_ptr, x_row, state_ptr, count_ptr, L, cols, col_mask, C, K, K_POW2, HAS_COUNT)
+
+
+@jit
+def _conv_rows_kernel(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, rows_ptr, rows_row, L, C, K: tl.constexpr,
+                      K_POW2: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Channels [pid * BLOCK_C, +BLOCK_C) of all L rows, and of the state after each row j (rows j - K + 2 .. j of
+    cat(state, x)) into ``rows_ptr + j * rows_row``; the state itself is only read."""
+    t = tl.arange(0, BLOCK_L)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    _conv_out(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, t, cols, col_mask, L, C, K, BLOCK_L, BLOCK_C)
+    for j in range(0, L):
+        new, r, live = _conv_window(x_ptr, x_row, state_ptr, j + 1, cols, col_mask, C, K, K_POW2)
+        tl.store(rows_ptr + j * rows_row + r[:, None] * C + cols[None, :], new, mask=live)
 
 
 @jit
@@ -85,13 +113,20 @@ def _conv_state_kernel(x_ptr, x_row, state_ptr, count_ptr, L, C, K: tl.constexpr
     _conv_state_update(x_ptr, x_row, state_ptr, count_ptr, L, cols, cols < C, C, K, K_POW2, HAS_COUNT)
 
 
-def causal_conv_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
-                       count: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`causal_conv` without copies: x [L, C] with unit column stride and any row stride (a column slice of a
-    fused projection), state [K-1, C] contiguous in x's dtype, weight [C, K] (unit last stride). Returns [L, C]
-    contiguous. A piece of at most ``_BLOCK_L`` rows (decode) is one launch; a longer one adds a tiny second launch
-    for the state, so no program overwrites state that another still reads."""
-    op = "causal_conv_triton"
+def causal_conv_rows(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The conv of L decode rows, each as a one-row :func:`causal_conv` step after the rows before it: the state
+    after row j goes to ``rows[j]`` ([L, K-1, C]), ``state`` is left as it was (a speculative verify keeps every
+    row's state and commits one)."""
+    out = torch.empty_like(x)
+    state = state.clone()
+    for row in range(x.shape[0]):
+        out[row:row + 1] = causal_conv(x[row:row + 1], state, weight)
+        rows[row].copy_(state)
+    return out
+
+
+def _check_conv(op: str, x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
+    """The Triton conv's layout (see :func:`causal_conv_triton`); returns L, C and K."""
     require_launchable(op, x, state, weight)
     require_rows(op, "x", x, 2)
     require_model_dtype(op, x)
@@ -104,6 +139,17 @@ def causal_conv_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tenso
             f"state must be [K-1, C] = [{kernel - 1}, {channels}], got {tuple(state.shape)}")
     require(state.is_contiguous(), op, f"state must be contiguous, got strides {state.stride()}")
     require(weight.shape[0] == channels, op, f"weight must be [C, K] with C = {channels}, got {tuple(weight.shape)}")
+    return length, channels, kernel
+
+
+def causal_conv_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                       count: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`causal_conv` without copies: x [L, C] with unit column stride and any row stride (a column slice of a
+    fused projection), state [K-1, C] contiguous in x's dtype, weight [C, K] (unit last stride). Returns [L, C]
+    contiguous. A piece of at most ``_BLOCK_L`` rows (decode) is one launch; a longer one adds a tiny second launch
+    for the state, so no program overwrites state that another still reads."""
+    op = "causal_conv_triton"
+    length, channels, kernel = _check_conv(op, x, state, weight)
     require_count(op, count, x.device)
     out = torch.empty((length, channels), dtype=x.dtype, device=x.device)
     block_l = min(_BLOCK_L, triton.next_power_of_2(length))
@@ -117,4 +163,24 @@ def causal_conv_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tenso
     if not fused:
         _conv_state_kernel[(col_blocks,)](x, x.stride(0), state, count_arg, length, channels, BLOCK_C=_BLOCK_C,
                                           num_warps=4, **shape)
+    return out
+
+
+def causal_conv_rows_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                            rows: torch.Tensor) -> torch.Tensor:
+    """:func:`causal_conv_rows` in one launch (at most ``_BLOCK_L`` rows); x, state and weight as in
+    :func:`causal_conv_triton`; ``rows`` [L, K-1, C] in the state's dtype, each row laid out as the state (any row
+    stride: a speculative step's row states)."""
+    op = "causal_conv_rows_triton"
+    length, channels, kernel = _check_conv(op, x, state, weight)
+    require(length <= _BLOCK_L, op, f"at most {_BLOCK_L} rows, got {length}")
+    require(rows.shape == (length, *state.shape) and rows.dtype == state.dtype
+            and rows.stride()[1:] == state.stride(), op,
+            f"rows must be [L, K-1, C] = {(length, *state.shape)} of {state.dtype} with the state's layout per row, "
+            f"got {tuple(rows.shape)} {rows.dtype} strides {rows.stride()}")
+    out = torch.empty((length, channels), dtype=x.dtype, device=x.device)
+    _conv_rows_kernel[(triton.cdiv(channels, _BLOCK_C),)](
+        x, x.stride(0), state, weight, weight.stride(0), out, rows, rows.stride(0), length, channels, K=kernel,
+        K_POW2=triton.next_power_of_2(kernel - 1), BLOCK_L=triton.next_power_of_2(length), BLOCK_C=_BLOCK_C,
+        num_warps=4)
     return out

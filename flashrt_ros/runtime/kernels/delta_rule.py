@@ -165,17 +165,20 @@ def _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head
 @jit
 def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head,
                              a_ptr, a_row, a_head, b_ptr, b_row, b_head, a_log_ptr, dt_bias_ptr,
-                             s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, length, dk, dv, scale, eps,
-                             GROUPS: tl.constexpr, HAS_COUNT: tl.constexpr,
+                             s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, rows_ptr, rows_row, length, dk, dv,
+                             scale, eps, GROUPS: tl.constexpr, HAS_COUNT: tl.constexpr, STORE_ROWS: tl.constexpr,
                              BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per (value head, block of BLOCK_V value columns): the [dk, BLOCK_V] fp32 state block stays in
-    registers over all real rows (read once, written once); padding rows only get zero outputs."""
+    registers over all real rows (read once, written once); padding rows only get zero outputs. With STORE_ROWS the
+    state after row t goes to ``rows_ptr + t * rows_row`` (laid out as the state) instead, and the state is only
+    read."""
     head = tl.program_id(0)
     key_head = head // GROUPS
     keys = tl.arange(0, BLOCK_K)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     key_mask, col_mask = keys < dk, cols < dv
-    s_ptrs = s_ptr + head * s_head + keys[:, None] * s_key + cols[None, :]
+    s_offsets = head * s_head + keys[:, None] * s_key + cols[None, :]
+    s_ptrs = s_ptr + s_offsets
     s_mask = key_mask[:, None] & col_mask[None, :]
     s = tl.load(s_ptrs, mask=s_mask, other=0.0)
     neg_a = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
@@ -204,9 +207,12 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
         s = s + (kt * k_scale)[:, None] * delta[None, :]
         out = tl.sum(qt[:, None] * s, axis=0) * q_scale
         tl.store(out_ptrs + t * out_row, round_like(out, out_ptr).to(out_ptr.dtype.element_ty), mask=col_mask)
+        if STORE_ROWS:
+            tl.store(rows_ptr + t * rows_row + s_offsets, s, mask=s_mask)
     for t in range(real, length):
         tl.store(out_ptrs + t * out_row, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty), mask=col_mask)
-    tl.store(s_ptrs, s, mask=s_mask)
+    if not STORE_ROWS:
+        tl.store(s_ptrs, s, mask=s_mask)
 
 
 def _value_block(v_heads: int, dv: int) -> int:
@@ -218,12 +224,40 @@ def _value_block(v_heads: int, dv: int) -> int:
     return min(16, triton.next_power_of_2(dv))
 
 
+def gated_delta_rule_rows(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """L decode rows, each as a one-token :func:`gated_delta_rule_reference` step after the rows before it: the
+    state after row j goes to ``rows[j]`` ([L, Hv, dk, dv]), ``state`` is left as it was (a speculative verify keeps
+    every row's state and commits one)."""
+    out = torch.empty_like(v)
+    state = state.clone()
+    for row in range(q.shape[0]):
+        one = slice(row, row + 1)
+        out[one] = gated_delta_rule_reference(q[one], k[one], v[one], a[one], b[one], A_log, dt_bias, state)
+        rows[row].copy_(state)
+    return out
+
+
 def gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor,
                             count: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`gated_delta_rule_reference` in one launch: a recurrence over the L rows (meant for L <= 64: decode and
     short pieces; long pieces belong to the chunked kernels). Same contract; q, k, v, a, b may be strided views
     (unit last stride); the state [Hv, dk, dv] fp32 needs unit last stride. ``count`` is read on the device."""
-    op = "gated_delta_rule_triton"
+    return _gated_delta_rule_launch("gated_delta_rule_triton", q, k, v, a, b, A_log, dt_bias, state, count, None)
+
+
+def gated_delta_rule_rows_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor,
+                                 rows: torch.Tensor) -> torch.Tensor:
+    """:func:`gated_delta_rule_rows` in one launch: the recurrence of :func:`gated_delta_rule_triton`, storing the
+    state after each row in ``rows`` [L, Hv, dk, dv] fp32 (each row laid out as the state, any row stride)."""
+    op = "gated_delta_rule_rows_triton"
+    require(rows.dim() == 4 and rows.shape[0] == q.shape[0] and rows.shape[1:] == state.shape
+            and rows.dtype == torch.float32 and rows.stride()[1:] == state.stride(), op,
+            f"rows must be [L, *state.shape] = {(q.shape[0], *state.shape)} fp32 with the state's layout per row, "
+            f"got {tuple(rows.shape)} {rows.dtype} strides {rows.stride()}")
+    return _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, None, rows)
+
+
+def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, rows):
     require_launchable(op, q, k, v, a, b, A_log, dt_bias, state)
     for name, t, ndim in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("a", a, 2), ("b", b, 2)):
         require_rows(op, name, t, ndim)
@@ -244,7 +278,8 @@ def gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor,
     _gated_delta_rule_kernel[grid](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), A_log, dt_bias,
-        state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count, length, dk, dv,
-        dk ** -0.5, 1e-6, GROUPS=v_heads // k_heads, HAS_COUNT=count is not None,
+        state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count,
+        state if rows is None else rows, 0 if rows is None else rows.stride(0), length, dk, dv, dk ** -0.5, 1e-6,
+        GROUPS=v_heads // k_heads, HAS_COUNT=count is not None, STORE_ROWS=rows is not None,
         BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4 if block_k * block_v <= 2048 else 8)  # no spills at dk 128
     return out
