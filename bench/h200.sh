@@ -64,14 +64,10 @@ for phase in "$@"; do
         echo "bench-constraint drafts $drafts rc=$?"; grep "^|" "$OUT/bench_constraint_d$drafts.log"
       done
       ;;
-    spec)  # issue 27: exactness on CUDA graphs, the trained model's acceptance and speed here, the 0.8B shape's steps
-      # projected at that model's measured tokens per step (full and trimmed draft vocabularies). SPEC_MODEL: a folder
+    spec)  # issue 27: the trained model's acceptance and speed here, the 0.8B shape's steps projected at that model's
+      # measured tokens per step (full and trimmed draft vocabularies), then exactness on CUDA graphs. SPEC_MODEL: a folder
       # of bench/train_tiny_lm.py (carried: bench/models/ is ignored by git)
       model=${SPEC_MODEL:-bench/models/lm}
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_speculative_gpu.py \
-          test/runtime/test_kernels_delta_attention.py test/runtime/test_kernels_norms_conv_rope.py \
-          -k "speculation or rows or (realistic and conv)" > "$OUT/spec_pytest.log" 2>&1; echo "pytest rc=$?"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/spec_pytest.log" | tail -12
       timeout 150 python3 -m flashrt_ros.tools bench-spec --model "$model" --device cuda --kernels triton \
           --text "$model/heldout.txt" --drafts 0,1,2,3,4 --prompts 4 --context 64 --decode-tokens 128 --repeats 5 \
           --max-context 512 --out "$OUT/bench_spec_trained.json" > "$OUT/bench_spec_trained.log" 2>&1
@@ -83,6 +79,10 @@ for phase in "$@"; do
             --out "$OUT/bench_spec_qwen3.5-0.8b_vocab$vocab.json" > "$OUT/bench_spec_vocab$vocab.log" 2>&1
         echo "bench-spec draft_vocab $vocab rc=$?"; grep "^|" "$OUT/bench_spec_vocab$vocab.log"
       done
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_speculative_gpu.py \
+          test/runtime/test_kernels_delta_attention.py test/runtime/test_kernels_norms_conv_rope.py \
+          -k "speculation or rows or (realistic and conv)" > "$OUT/spec_pytest.log" 2>&1; echo "pytest rc=$?"
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/spec_pytest.log" | tail -12
       ;;
     gemv)  # the dense GEMV of decode and verify: tune it (rows 1..5, 0.8B then 27B shapes), then cuBLAS vs it on 0.8B
       gemv_tune() {  # presets budget_s name
