@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# capsules | load | gemv | vision | constraint | spec (DENSE_GEMV: cublas or triton for the last three; spec takes
-# SPEC_MODEL, SPEC_VOCABS); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
+# capsules | load | gemv | vision | constraint | spec | spec-27b (DENSE_GEMV: cublas or triton for the last three; spec takes
+# SPEC_MODEL, SPEC_VOCABS, spec-27b SPEC_ACCEPTANCE); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
 # PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips))
 # Every phase keeps its whole log under $OUT/<card>_<commit>/ (the device tool returns only the output's tail).
 # The wheels in .whl, where there are any (transformers 5.24.0, fla-core 0.6.0: what the machine lacks), are installed first.
@@ -79,10 +79,19 @@ for phase in "$@"; do
             --out "$OUT/bench_spec_qwen3.5-0.8b_vocab$vocab.json" > "$OUT/bench_spec_vocab$vocab.log" 2>&1
         echo "bench-spec draft_vocab $vocab rc=$?"; grep "^|" "$OUT/bench_spec_vocab$vocab.log"
       done
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_speculative_gpu.py \
+      FLASHRT_SPEC_MODEL="$model" timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore \
+          test/runtime/test_speculative_gpu.py \
           test/runtime/test_kernels_delta_attention.py test/runtime/test_kernels_norms_conv_rope.py \
           -k "speculation or rows or (realistic and conv)" > "$OUT/spec_pytest.log" 2>&1; echo "pytest rc=$?"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/spec_pytest.log" | tail -12
+      ;;
+    spec-27b)  # issue 27 and 26: the 27B shape's plain decode (the k = 0 row) and 3-draft step, projected at the
+      # tokens per step of SPEC_ACCEPTANCE (a trained model's bench-spec JSON, e.g. this run's or an earlier one's)
+      timeout 480 python3 -m flashrt_ros.tools bench-spec --model qwen3.6-27b --device cuda --dtype bfloat16 \
+          --kernels triton --draft-vocab 32768 --drafts 0,3 --prompts 1 --context 1024 --decode-tokens 32 --repeats 2 \
+          --acceptance-from "${SPEC_ACCEPTANCE:-$OUT/bench_spec_trained.json}" \
+          --out "$OUT/bench_spec_qwen3.6-27b_vocab32768.json" > "$OUT/bench_spec_27b.log" 2>&1
+      echo "bench-spec 27b rc=$?"; grep "^|" "$OUT/bench_spec_27b.log"; grep -i "error" "$OUT/bench_spec_27b.log" | tail -3
       ;;
     gemv)  # the dense GEMV of decode and verify: tune it (rows 1..5, 0.8B then 27B shapes), then cuBLAS vs it on 0.8B
       gemv_tune() {  # presets budget_s name

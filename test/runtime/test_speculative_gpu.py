@@ -1,7 +1,12 @@
 """Self-speculative decoding on CUDA: the captured STEP_ROWS-row steps with the Triton rows kernels (conv and delta
 rule writing every row's state) and the carried pick, against the oracle of test_speculative.py (the same plan fed
 one token per generate call), token for token and byte for byte, on the model trained here (its MTP head drafts
-tokens the model accepts)."""
+tokens the model accepts). ``FLASHRT_SPEC_MODEL`` names a folder of bench/train_tiny_lm.py to use instead of the
+``trained`` fixture (bench/h200.sh sets it to the model it benchmarks: the GPU machine's transformers cannot run the
+training script's MTP head)."""
+import os
+import pathlib
+
 import pytest
 import torch
 
@@ -10,9 +15,15 @@ from speculative_streams import assert_same_stream, engine, prompts, run, run_un
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.fixture
+def model_folder(request) -> pathlib.Path:
+    named = os.environ.get("FLASHRT_SPEC_MODEL")
+    return pathlib.Path(named) if named else request.getfixturevalue("trained")[0]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graphed_speculation_is_token_and_byte_identical_to_its_plan_without_drafts(trained, dtype):
-    folder, _ = trained
+def test_graphed_speculation_is_token_and_byte_identical_to_its_plan_without_drafts(model_folder, dtype):
+    folder = model_folder
     options = dict(device="cuda", dtype=dtype, kernels="triton", cuda_graphs=True)
     oracle = engine(folder, 1, **options)
     cases = [(prompt, 40) for prompt in prompts(folder, oracle, 2, 24)] + [(prompts(folder, oracle, 1, 300)[0], 24)]
