@@ -2,6 +2,7 @@
 run on the device: ``python3 bench/profile_step.py PRESET CONTEXT [SUFFIX] [WEIGHTS_FORMAT] [SPECULATIVE_TOKENS]``
 prints the replay times and, per step, the top kernels by device time (torch.profiler). With SPECULATIVE_TOKENS k > 0
 the decode step profiled is the speculative plan's step with k drafts."""
+import os
 import sys
 
 import torch
@@ -18,7 +19,9 @@ suffix = int(sys.argv[3]) if len(sys.argv) > 3 else 24
 weights_format = sys.argv[4] if len(sys.argv) > 4 else "dense"
 drafts = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 draft_vocab = int(sys.argv[6]) if len(sys.argv) > 6 else 0
-carried = drafts > 0     # a speculative stream's steady state: the step takes the pick of the verify before it
+# a speculative stream's steady state: the step takes the pick of the verify before it (PROFILE_CARRIED=0: it reads
+# the LM head for it, as a stream's first step does)
+carried = drafts > 0 and os.environ.get("PROFILE_CARRIED", "1") == "1"
 engine = Engine(EngineConfig(model=preset, device="cuda", dtype="bfloat16", max_context=context + 128,
                              prefill_chunk=2048, checksum_on_snapshot=False, weights_format=weights_format,
                              capsule_budget_bytes=16 << 30, speculative_tokens=drafts, draft_vocab=draft_vocab))
