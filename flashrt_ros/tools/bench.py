@@ -16,7 +16,7 @@ from flashrt_ros.runtime.model import rope_inv_freq
 from flashrt_ros.runtime.vision.config import VISUAL
 
 from . import floors, ttft
-from .timing import timed
+from .timing import release_engine_memory, timed
 from .verify import prompt_tokens
 
 SUFFIX_LEN = 24
@@ -214,8 +214,7 @@ def decode_paths(config: EngineConfig, paths: list[str], contexts: list[int], de
                          "decode_over_floor": decode_ms * bandwidth / (1000.0 * moved["total_bytes"]),
                          "same_tokens": first.setdefault(context, tokens) == tokens})
         del engine
-        if config.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        release_engine_memory(torch.device(config.device))
     return rows
 
 

@@ -12,7 +12,6 @@ projected Thor table (bytes per token / 273 GB/s), which is a projection from sh
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import statistics
 
@@ -28,7 +27,7 @@ from flashrt_ros.runtime.model import Qwen35
 from flashrt_ros.runtime.vision.config import VISUAL
 
 from . import floors, ttft
-from .timing import sync, timed
+from .timing import release_engine_memory, timed
 from .verify import first_divergence, prompt_tokens
 
 THOR_BYTES_PER_S = 273e9
@@ -233,10 +232,7 @@ def run(cfg: QuantBenchConfig) -> dict:
         row["forced_nll"] = float(nll.mean())
         rows.append(row)
         del engine
-        gc.collect()
-        if device.type == "cuda":
-            sync(device)
-            torch.cuda.empty_cache()
+        release_engine_memory(device)
     dense_ms = rows[0]["decode_ms_per_token"]
     for row in rows:
         row["decode_speedup_vs_dense"] = dense_ms / row["decode_ms_per_token"]

@@ -29,7 +29,7 @@ from flashrt_ros.runtime.engine import Engine, EngineConfig
 from flashrt_ros.runtime.errors import ErrorCode, FlashRTError
 from flashrt_ros.runtime.speculative import MAX_SPECULATIVE_TOKENS
 
-from .timing import sync
+from .timing import release_engine_memory, sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +128,7 @@ def run(cfg: SpecBenchConfig) -> dict:
             row["projected_speedup"] = row["projected_tokens_per_s"] / baseline[1]["projected_tokens_per_s"]
         rows.append(row)
         del engine
+        release_engine_memory(torch.device(cfg.engine.device))
     return {"model": cfg.engine.model, "device": cfg.engine.device,
             "device_name": (torch.cuda.get_device_name(cfg.engine.device) if cfg.engine.device.startswith("cuda")
                             else "cpu"),

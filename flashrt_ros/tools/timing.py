@@ -1,6 +1,8 @@
-"""Host wall-clock timing of device work, synchronised before and after: the time a caller waits."""
+"""Host wall-clock timing of device work, synchronised before and after: the time a caller waits; and freeing an
+engine's device memory between the engines of one benchmark."""
 from __future__ import annotations
 
+import gc
 import time
 from typing import Callable, TypeVar
 
@@ -12,6 +14,15 @@ T = TypeVar("T")
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def release_engine_memory(device: torch.device) -> None:
+    """After ``del engine``: collect it now (an engine sits in reference cycles, so dropping the name frees nothing
+    until the garbage collector runs) and hand its device memory back, so the next engine of a benchmark fits."""
+    gc.collect()
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.empty_cache()
 
 
 def timed(device: torch.device, fn: Callable[[], T]) -> tuple[T, float]:

@@ -43,3 +43,24 @@ def test_bench_spec_refuses_a_projection_file_without_the_drafts_it_runs(tmp_pat
         assert main([*ARGS, "--acceptance-from", str(path)]) == 2
         error = json.loads(capsys.readouterr().out.splitlines()[-1])
         assert error["error"] == "INVALID_ARGUMENT" and re.search(message, error["message"]), error
+
+
+def test_bench_spec_frees_each_engine_before_building_the_next(monkeypatch):
+    """Each drafts value builds its own engine; an engine sits in reference cycles, so unless the benchmark collects
+    it the next one is built beside it (on a GPU: two 27B engines in 80 GB, out of memory)."""
+    import weakref
+
+    from flashrt_ros.tools import bench_spec
+
+    alive = []
+
+    class Counted(bench_spec.Engine):
+        def __init__(self, *args, **kwargs):
+            assert not [ref for ref in alive if ref() is not None], "the engine before is still alive"
+            super().__init__(*args, **kwargs)
+            alive.append(weakref.ref(self))
+
+    monkeypatch.setattr(bench_spec, "Engine", Counted)
+    config = bench_spec.SpecBenchConfig(engine=bench_spec.EngineConfig(model="tiny", max_context=64),
+                                        drafts=(0, 1, 2), prompts=1, context=8, decode_tokens=4, repeats=1)
+    assert len(bench_spec.run(config)["rows"]) == 3 and len(alive) == 3
