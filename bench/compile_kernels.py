@@ -9,7 +9,7 @@ a kernel that a Triton version cannot build shows up here, on any machine (e.g. 
 
 How the launches are found: the kernel modules are imported as compiled (JIT) kernels, each kernel's launch is
 replaced by a recorder, and then the engine's own code runs on CPU tensors: the model's forward pass with the fused
-kernel set for decode (every KV bucket), every small-piece bucket (with a device count) and one long piece, and the
+kernel set for decode and a speculative verify of STEP_ROWS rows (every KV bucket), every small-piece bucket (with a device count) and one long piece, and the
 quantized GEMVs and the dequantise kernel at every projection shape of the preset (fp8 with per-channel and 128-wide
 block scales, nvfp4; decode, and 8 / 24 / 40 / 256 rows: each row block the GEMV has). The recorded arguments go
 through Triton's own binder for the CUDA backend, so the signature, the constexprs and the specialisations
@@ -55,7 +55,8 @@ from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.engine import _MIN_KV_BUCKET, EngineConfig  # noqa: E402
 from flashrt_ros.runtime.kernels import (activations, attention, conv, delta_rule, norms, quant_gemv,  # noqa: E402
                                          rope)
-from flashrt_ros.runtime.model import PIECE_BUCKET, SMALL_PIECE, Qwen35  # noqa: E402
+from flashrt_ros.runtime.model import PIECE_BUCKET, SMALL_PIECE, Qwen35, StepRows  # noqa: E402
+from flashrt_ros.runtime.speculative import STEP_ROWS, RowStates  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
 
 KERNEL_MODULES = (activations, attention, conv, delta_rule, norms, quant_gemv, rope)
@@ -145,9 +146,13 @@ def record_model(recorder: _Recorder, preset: str, dtype: torch.dtype, max_conte
     tokens = torch.zeros(LONG_PIECE, dtype=torch.int64)
     count = torch.ones((), dtype=torch.int64)
     with torch.no_grad():
+        verify = StepRows(live=STEP_ROWS, states=RowStates(model.arena, STEP_ROWS),
+                          hidden=torch.zeros(STEP_ROWS, model.cfg.hidden_size, dtype=dtype))
         for kv_len in kv_buckets(max_context):
             recorder.origin = f"{preset}/{dtype} decode kv {kv_len}"
             model.forward(tokens[:1], kv_len)
+            recorder.origin = f"{preset}/{dtype} speculative verify kv {kv_len}"
+            model.forward(tokens[:STEP_ROWS], kv_len, count=count, step=verify)
             for bucket in pieces:
                 recorder.origin = f"{preset}/{dtype} piece {bucket} kv {kv_len}"
                 model.forward(tokens[:bucket], kv_len, count=count)
