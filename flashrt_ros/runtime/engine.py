@@ -183,6 +183,7 @@ class Engine:
                                                   MASK_ROWS if cfg.speculative_tokens else 1)
         self._mask_lookup = constraints.mask_lookup(self.model_config.vocab_size, self.device)
         self.constraint: Constraint | None = None
+        self._masks_written = False          # mask words may hold a matcher's masks (see _set_constraint)
         self._mask_of: tuple[Constraint, int] | None = None     # the matcher state the mask words hold the mask of
         self._token_host = torch.zeros(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._mask_host = torch.zeros(self._mask_words.shape[1], dtype=torch.int32,    # staging of the next mask
@@ -691,9 +692,15 @@ class Engine:
         self._set_constraint(None if state is None else Constraint(self._llg(), state))
 
     def _set_constraint(self, constraint: Constraint | None) -> None:
+        """The live matcher. Mask words are written only while one is live, so they need clearing (every token
+        allowed) only after one was: a restore of an unconstrained capsule into an unconstrained stream launches
+        nothing for it."""
         self.constraint = constraint
-        if constraint is None:
+        if constraint is not None:
+            self._masks_written = True
+        elif self._masks_written:
             self._mask_words.fill_(-1)
+            self._masks_written = False
 
     def _llg(self):
         if self._llg_tokenizer is None:       # built once (for an HF vocabulary it takes about a second)
@@ -824,7 +831,7 @@ class Engine:
     @torch.inference_mode()
     def restore(self, capsule_id: str, verify_checksum: bool = False, kv_only: bool = False) -> CapsuleInfo:
         """Make the capsule the live state. ``kv_only`` restores only KV and metadata (an ablation: it diverges)."""
-        constraint = self._rebuilt_constraint(self.capsule(capsule_id))     # before a fetch moves it
+        constraint = self._rebuilt_constraint(self.store.get(capsule_id).info)     # before a fetch moves it
         capsule = self.capsule_manager.restorable(capsule_id, verify_checksum)
         self._load(capsule, constraint, kv_only)
         return self.store.info(capsule_id)
@@ -839,7 +846,7 @@ class Engine:
                 self.live_parent = info.id
             return info
         new_id = self.store.new_id(capsule_id, label)
-        constraint = self._rebuilt_constraint(self.capsule(source_id)) if switch else None
+        constraint = self._rebuilt_constraint(self.store.get(source_id).info) if switch else None
         source = self.capsule_manager.restorable(source_id, verify_checksum=False)
         self.capsule_manager.make_room(0, label, keep_ids=(source_id,))
         info = dataclasses.replace(source.info, id=new_id, parent=source_id, label=label, created=time.time())

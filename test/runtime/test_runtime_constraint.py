@@ -120,6 +120,25 @@ def test_rollback_by_k_rolls_the_matcher_back_by_k(engine):
     assert head[:6] + list(engine.generate(300, WARM)) == reference
 
 
+def test_restoring_an_unconstrained_capsule_into_a_constrained_stream_clears_the_masks(engine):
+    """The mask words are cleared when a matcher goes away (and only then: a restore between unconstrained states
+    launches nothing for them), so an unconstrained capsule restored mid-constraint continues as it was taken."""
+    engine.reset()
+    engine.ingest(PROMPT)
+    engine.snapshot("free")
+    free = list(engine.generate(12, WARM))
+    engine.restore("free")
+    start(engine, "regex", "[0-9]{8}")
+    list(engine.generate(4, WARM))
+    assert not (engine._mask_words == -1).all()           # the matcher's masks are in the words
+    engine.restore("free")
+    assert engine.constraint is None and (engine._mask_words == -1).all()
+    assert list(engine.generate(12, WARM)) == free
+    engine.restore("free")                                # unconstrained into unconstrained: still clear
+    assert (engine._mask_words == -1).all() and list(engine.generate(12, WARM)) == free
+    engine.drop("free")
+
+
 def test_rollback_past_the_constraint_start_leaves_the_stream_unconstrained(engine):
     start(engine, "regex", "[0-9]{8}")
     list(engine.generate(3, WARM))
