@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashrt_ros.runtime.engine import Engine
+from flashrt_ros.runtime.graphs import capture_graph
 from flashrt_ros.runtime.vision.config import VISUAL
 
 from .timing import timed
@@ -63,14 +64,7 @@ def gemv_graph_ms(engine: Engine, repeats: int) -> float | None:
         for x, w in zip(inputs, weights):
             F.linear(x, w)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step)
     graph.replay()
     times = [timed(engine.device, graph.replay)[1] for _ in range(repeats)]
     return statistics.median(times)

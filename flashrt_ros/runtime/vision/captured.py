@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..graphs import capture_graph
+
 MAX_GRIDS = 8       # graphs kept (each holds the tower's activations for its grid); other grids run eagerly
 
 
@@ -34,12 +36,5 @@ class CapturedTower:
 
     def _capture(self, patches: torch.Tensor, grid: tuple[int, int, int]):
         static = patches.to(self.device, copy=True)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):        # warm-up: kernels chosen, workspaces allocated
-            self.tower(static, grid)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.tower(static, grid)
+        graph, out = capture_graph(lambda: self.tower(static, grid))
         return static, out, graph
