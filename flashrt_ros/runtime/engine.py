@@ -44,6 +44,7 @@ from .vision.prepared import PreparedImage
 from .vision.preprocess import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, Image, preprocess
 from .weights import load, weights_digest
 
+COMPILED_GRAMMARS = 32      # grammars kept compiled (compile_constraint)
 PLAN_VERSION = "flashrt-plan-2"   # 2: fused projections, padded piece buckets, fixed 64-row delta-rule chunks
 # speculative_tokens > 0: every decode step is a STEP_ROWS-row step (speculative.py), whose bytes differ from the
 # one-row step's, so capsules of the two plans are told apart by their fingerprints
@@ -184,6 +185,7 @@ class Engine:
         self._mask_lookup = constraints.mask_lookup(self.model_config.vocab_size, self.device)
         self.constraint: Constraint | None = None
         self._masks_written = False          # mask words may hold a matcher's masks (see _set_constraint)
+        self._compiled_grammars: dict[tuple[str, str], ConstraintState] = {}   # see compile_constraint
         self._mask_of: tuple[Constraint, int] | None = None     # the matcher state the mask words hold the mask of
         self._token_host = torch.zeros(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._mask_host = torch.zeros(self._mask_words.shape[1], dtype=torch.int32,    # staging of the next mask
@@ -681,9 +683,16 @@ class Engine:
     # ---- constrained decoding -----------------------------------------------------------------------------
     def compile_constraint(self, kind: str, text: str) -> ConstraintState:
         """Check a grammar against this engine's tokenizer (INVALID_ARGUMENT with the library's message); changes
-        nothing live."""
-        state = ConstraintState(constraints.compile_grammar(kind, text))
-        Constraint(self._llg(), state)
+        nothing live. The last :data:`COMPILED_GRAMMARS` grammars that compiled are kept, so a planner that sends
+        the same schema with every observation compiles it once (a refused one is checked again each time)."""
+        key = (kind, text)
+        state = self._compiled_grammars.pop(key, None)
+        if state is None:
+            state = ConstraintState(constraints.compile_grammar(kind, text))
+            Constraint(self._llg(), state)
+        self._compiled_grammars[key] = state                  # the most recent last
+        if len(self._compiled_grammars) > COMPILED_GRAMMARS:
+            del self._compiled_grammars[next(iter(self._compiled_grammars))]
         return state
 
     def constrain(self, state: ConstraintState | None) -> None:

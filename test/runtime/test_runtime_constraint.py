@@ -139,6 +139,29 @@ def test_restoring_an_unconstrained_capsule_into_a_constrained_stream_clears_the
     engine.drop("free")
 
 
+def test_a_grammar_compiles_once_and_the_cache_is_bounded(monkeypatch):
+    """The same schema sent with every observation is compiled once; a refused one is refused every time; at most
+    COMPILED_GRAMMARS grammars are kept, the least recently used dropped first."""
+    from flashrt_ros.runtime import constraint, engine as engine_module
+
+    fresh = Engine(CONFIG)
+    compiled = []
+    real = constraint.compile_grammar
+    monkeypatch.setattr(constraint, "compile_grammar", lambda kind, text: compiled.append(text) or real(kind, text))
+    first = fresh.compile_constraint("regex", "[0-9]{3}")
+    assert fresh.compile_constraint("regex", "[0-9]{3}") is first and compiled == ["[0-9]{3}"]
+    for _ in range(2):
+        with pytest.raises(FlashRTError) as err:
+            fresh.compile_constraint("json_schema", "{not json")
+        assert err.value.code == ErrorCode.INVALID_ARGUMENT
+    assert compiled.count("{not json") == 2
+    monkeypatch.setattr(engine_module, "COMPILED_GRAMMARS", 3)
+    for n in range(4):                                   # [0-9]{3} is the least recently used: dropped
+        fresh.compile_constraint("regex", f"a{{{n + 1}}}")
+    fresh.compile_constraint("regex", "[0-9]{3}")
+    assert compiled.count("[0-9]{3}") == 2 and len(fresh._compiled_grammars) == 3
+
+
 def test_rollback_past_the_constraint_start_leaves_the_stream_unconstrained(engine):
     start(engine, "regex", "[0-9]{8}")
     list(engine.generate(3, WARM))
