@@ -215,7 +215,7 @@ class Engine:
                                               self.arena.live_nbytes, on_settle=self._release_freed_boundary,
                                               check_constraint=self._rebuilt_constraint)
         # capsule files of this engine in capsule_dir are disk-tier capsules; why the others were refused
-        self.capsule_dir_refused = self.tiers.index(self.fingerprint, self.arena.live_nbytes)
+        self.capsule_dir_refused = self.tiers.index(self._check_fingerprint, self.arena.live_nbytes)
         self._fixed_span = self.arena.specs["kv"].offset
         self._history = torch.zeros(cfg.history_depth, self._fixed_span, dtype=torch.uint8, device=self.device)
         self._boundaries: deque[_Boundary] = deque()          # oldest first
@@ -979,16 +979,10 @@ class Engine:
                 for plan in (PLAN_VERSION, SPECULATIVE_PLAN_VERSION)}
 
     def _check_fingerprint(self, what: str, fingerprint: str) -> None:
-        """Refuse a capsule of another fingerprint; one that differs only by the decode plan (taken with
-        speculative_tokens 0 and restored with > 0, or the reverse) is named as such."""
-        if fingerprint == self.fingerprint:
-            return
-        why = "another model, config or plan"
-        other = next((plan for plan, value in self._fingerprints.items() if value == fingerprint), None)
-        if other is not None:
-            why = (f"this model by an engine whose decode plan differs ({other}, speculative_tokens "
-                   f"{'> 0' if other == SPECULATIVE_PLAN_VERSION else '0'}; this engine: {self.plan}, "
-                   f"speculative_tokens {self.config.speculative_tokens}): their steps give other bytes")
-        raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
-                           f"{what} was taken from {why} (fingerprint {fingerprint[:12]}..., "
-                           f"this engine {self.fingerprint[:12]}...)")
+        """Refuse a capsule of another model or config. The two decode plans (speculative_tokens 0 and > 0) share
+        the state's layout and meaning, so a capsule of either restores here byte for byte; the tokens after it
+        are then this engine's plan's decoding from that state (each plan is exact and repeatable on its own)."""
+        if fingerprint not in self._fingerprints.values():
+            raise FlashRTError(ErrorCode.FINGERPRINT_MISMATCH,
+                               f"{what} was taken from another model or config (fingerprint {fingerprint[:12]}..., "
+                               f"this engine {self.fingerprint[:12]}...)")

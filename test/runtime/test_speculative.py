@@ -3,7 +3,8 @@ fixture: its MTP head drafts tokens the model accepts, where random weights acce
 
 Two decode plans. speculative_tokens = 0 runs main's one-row decode step (plan "flashrt-plan-2", main's
 fingerprint and bytes); > 0 runs every step over STEP_ROWS rows ("flashrt-plan-3-spec"), whose GEMMs give other
-bytes, so capsules do not move between the two (FINGERPRINT_MISMATCH, naming the plans).
+bytes. The state's layout is the same, so capsules move between the two (restored byte for byte; each engine then
+decodes by its own plan).
 
 The oracle of speculation is therefore its own plan without drafts: a speculative engine asked for one token per
 generate call never drafts (a step drafts at most the tokens still wanted minus one), so each of its steps is the
@@ -133,13 +134,14 @@ def test_a_step_after_a_verify_takes_its_pick_and_never_a_stale_one(trained, sam
     generate(3, other, carried_first=False)                             # another draw
 
 
-def test_capsules_do_not_move_between_speculation_on_and_off(trained, tmp_path):
-    """The two decode plans give other bytes, so a capsule file taken with drafts on (between two tokens of a
-    step) is refused by an engine with them off, and one taken with them off by the engine with them on:
-    FINGERPRINT_MISMATCH naming both plans; the refusing engine's live state, position and store are untouched."""
+def test_capsules_move_between_speculation_on_and_off(trained, tmp_path):
+    """The two decode plans share the state's layout, so a capsule file taken with drafts on (between two tokens of
+    a step) restores byte for byte into an engine with them off, and one taken with them off into the engine with
+    them on; each then decodes by its own plan, repeatably (and, greedy on this model, the tokens the source would
+    have produced: a check, not the oracle). A capsule of another model is still refused."""
     folder, _ = trained
     spec, plain = (engine(folder, k, capsule_dir=str(tmp_path)) for k in (4, 0))
-    assert (plain.plan, spec.plan) == (PLAN_VERSION, SPECULATIVE_PLAN_VERSION)
+    assert (plain.plan, spec.plan) == (PLAN_VERSION, SPECULATIVE_PLAN_VERSION) and plain.fingerprint != spec.fingerprint
     prompt = prompts(folder, plain, 1, 40)[0]
     for source, target, capsule_id in ((spec, plain, "on"), (plain, spec, "off")):
         source.reset()
@@ -147,16 +149,24 @@ def test_capsules_do_not_move_between_speculation_on_and_off(trained, tmp_path):
         stream = source.generate(20, stop_token_ids=[])
         [next(stream) for _ in range(5)]
         source.snapshot(capsule_id)
+        rest = list(stream)
         source.export_capsule(capsule_id)
         target.reset()
         target.ingest(prompt[:17])
-        live, position, stored = target.live_bytes(), target.position, target.capsules()
-        with pytest.raises(FlashRTError, match="decode plan differs") as err:
-            target.import_capsule(capsule_id)
-        assert err.value.code == ErrorCode.FINGERPRINT_MISMATCH
-        assert source.plan in str(err.value) and target.plan in str(err.value)
-        assert (target.position, target.capsules()) == (position, stored)
-        assert torch.equal(target.live_bytes(), live)
+        assert target.import_capsule(capsule_id).position == source.capsule(capsule_id).position
+        target.restore(capsule_id)
+        assert torch.equal(target.live_bytes(), source.capsule_bytes(capsule_id))
+        continued = list(target.generate(15, stop_token_ids=[]))
+        target.restore(capsule_id)
+        assert list(target.generate(15, stop_token_ids=[])) == continued == rest
+    foreign = Engine(EngineConfig(model="tiny", max_context=64, capsule_dir=str(tmp_path / "tiny")))
+    foreign.ingest([1, 2, 3])
+    foreign.snapshot("foreign")
+    foreign.export_capsule("foreign")
+    (tmp_path / "tiny" / "foreign.capsule").rename(tmp_path / "foreign.capsule")
+    with pytest.raises(FlashRTError, match="another model or config") as err:
+        plain.import_capsule("foreign")
+    assert err.value.code == ErrorCode.FINGERPRINT_MISMATCH
 
 
 def test_plain_engine_runs_mains_one_row_decode_step(trained):

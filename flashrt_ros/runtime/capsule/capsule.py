@@ -1,7 +1,8 @@
 """What a capsule is: its id and label rules, its info, and its bytes.
 
 A capsule is an immutable copy of the engine's live state, identified by the engine's fingerprint (model, config,
-plan: a capsule restores only into an engine of the same fingerprint). Its bytes follow the arena's manifest
+decode plan: a capsule restores only into an engine of the same model and config, under either decode plan; see
+``Engine._check_fingerprint``). Its bytes follow the arena's manifest
 (:class:`Layout`): the fixed-size state (meta, hidden, conv, recurrent) as one row, then each KV buffer's rows
 [0, position).
 

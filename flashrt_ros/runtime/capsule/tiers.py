@@ -24,6 +24,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -354,19 +355,18 @@ class Tiers:
             capsule_file.remove_capsule_file(self.path(stored.info.id))
 
     # ---- configure -----------------------------------------------------------------------------------------
-    def index(self, fingerprint: str, nbytes_at) -> list[str]:
-        """List ``<capsule_dir>/*.capsule`` as disk-tier capsules (headers only); returns why files were refused."""
+    def index(self, check_fingerprint: Callable[[str, str], None], nbytes_at) -> list[str]:
+        """List ``<capsule_dir>/*.capsule`` as disk-tier capsules (headers only); returns why files were refused.
+        ``check_fingerprint(what, fingerprint)``: the engine's refusal of a capsule bound to another engine."""
         refused = []
         for capsule_id in capsule_file.capsule_file_ids(self.capsule_dir) if self.capsule_dir else ():
             try:
                 info, file_fingerprint = capsule_file.read_capsule_header(self.path(capsule_id), self.key)
+                check_fingerprint("the file", file_fingerprint)
             except FlashRTError as err:
                 refused.append(f"{capsule_id}.capsule: {err.message}")
                 continue
-            if file_fingerprint != fingerprint:
-                refused.append(f"{capsule_id}.capsule: taken from another model, config or plan (fingerprint "
-                               f"{file_fingerprint[:12]}..., this engine {fingerprint[:12]}...)")
-            elif info.id != capsule_id or info.nbytes != nbytes_at(info.position):
+            if info.id != capsule_id or info.nbytes != nbytes_at(info.position):
                 refused.append(f"{capsule_id}.capsule: its header does not match its name or its size")
             else:
                 try:
