@@ -26,6 +26,7 @@ from flashrt_ros.bag.bagfile import TOPICS, BagError, BagHeader, BagWriter
 from flashrt_ros.endpoints import diagnostics_name
 from flashrt_ros.msg import ActionChunk, Observation, StateEvent, TokenChunk
 
+RETRY_S = 2.0     # a request unanswered this long is sent again (see _request)
 MSG_CLASSES = {"observation": Observation, "tokens": TokenChunk, "action": ActionChunk, "events": StateEvent}
 
 
@@ -48,8 +49,8 @@ def fetch_header(node: Node, target: str, timeout: float = 30.0) -> BagHeader:
         client = AsyncParameterClient(node, target)
         if not client.wait_for_services(timeout_sec=timeout):
             raise BagError(f"node {target} does not answer its parameter services")
-        names = _wait(client.list_parameters(), timeout, target).result.names
-        values = _wait(client.get_parameters(names), timeout, target).values
+        names = _request(client.list_parameters, timeout, target).result.names
+        values = _request(lambda: client.get_parameters(names), timeout, target).values
         parameters = {n: parameter_value_to_python(v) for n, v in zip(names, values)}
         _check_configured(node, target, timeout)
         return BagHeader(node=target, fingerprint=fingerprint.wait(timeout), parameters=parameters,
@@ -64,7 +65,7 @@ def _check_configured(node: Node, target: str, timeout: float) -> None:
     try:
         if not client.wait_for_service(timeout_sec=timeout):
             return  # not a lifecycle node: the fingerprint wait decides
-        state = _wait(client.call_async(GetState.Request()), timeout, target).current_state
+        state = _request(lambda: client.call_async(GetState.Request()), timeout, target).current_state
     finally:
         node.destroy_client(client)
     if state.id in (State.PRIMARY_STATE_UNCONFIGURED, State.PRIMARY_STATE_FINALIZED):
@@ -72,12 +73,20 @@ def _check_configured(node: Node, target: str, timeout: float) -> None:
                        f"configure it first (ros2 lifecycle set {target} configure)")
 
 
-def _wait(future, timeout: float, target: str):
-    done = threading.Event()
-    future.add_done_callback(lambda _: done.set())
-    if not done.wait(timeout):
-        raise BagError(f"node {target} did not answer a parameter request within {timeout:.0f} s")
-    return future.result()
+def _request(send, timeout: float, target: str):
+    """The reply to the request ``send()`` makes (it returns the future). One left unanswered for
+    :data:`RETRY_S` is made again, until ``timeout`` seconds have passed: DDS can drop a request sent while
+    the service's endpoints are still being matched (just after ``wait_for_service``), and on a loaded
+    machine that window is seconds long."""
+    deadline = time.monotonic() + timeout
+    while True:
+        future, done = send(), threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        if done.wait(max(0.0, min(RETRY_S, deadline - time.monotonic()))):
+            return future.result()
+        future.cancel()
+        if time.monotonic() >= deadline:
+            raise BagError(f"node {target} did not answer a parameter request within {timeout:.0f} s")
 
 
 class _FingerprintListener:

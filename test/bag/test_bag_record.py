@@ -7,7 +7,7 @@ from conftest import wait_for
 from rosbags.highlevel import AnyReader
 from rosbags.interfaces import QosDurability
 
-from flashrt_ros.bag import cli
+from flashrt_ros.bag import cli, record
 from flashrt_ros.bag.bagfile import read_bag
 from flashrt_ros.msg import Observation, TokenChunk
 
@@ -45,3 +45,24 @@ def test_recording_a_session_writes_every_message_with_the_offered_qos(node_and_
         qos = {c.topic: c.ext.offered_qos_profiles for c in reader.connections}
     assert [q.durability for q in qos[f"{target}/events"]] == [QosDurability.TRANSIENT_LOCAL]
     assert [q.durability for q in qos[f"{target}/tokens"]] == [QosDurability.VOLATILE]
+
+
+def test_a_request_lost_while_the_service_matches_is_sent_again(monkeypatch):
+    """DDS can drop a request made just as the service appears; the recorder asks again every RETRY_S until its
+    timeout, and names the node when none is answered."""
+    from rclpy.task import Future
+
+    monkeypatch.setattr(record, "RETRY_S", 0.05)
+    sent = []
+
+    def send():          # the first request is lost; the second is answered
+        future = Future()
+        sent.append(future)
+        if len(sent) == 2:
+            future.set_result("reply")
+        return future
+
+    assert record._request(send, 5.0, "/robot/flashrt") == "reply"
+    assert len(sent) == 2 and sent[0].cancelled()
+    with pytest.raises(record.BagError, match="/robot/flashrt did not answer"):
+        record._request(Future, 0.2, "/robot/flashrt")
