@@ -9,16 +9,16 @@ a kernel that a Triton version cannot build shows up here, on any machine (e.g. 
 
 How the launches are found: the kernel modules are imported as compiled (JIT) kernels, each kernel's launch is
 replaced by a recorder, and then the engine's own code runs on CPU tensors: the model's forward pass with the fused
-kernel set for decode and a speculative verify of STEP_ROWS rows (every KV bucket), every small-piece bucket (with a device count) and one long piece, and the
-quantized GEMVs and the dequantise kernel at every projection shape of the preset (fp8 with per-channel and 128-wide
-block scales, nvfp4; decode, and 8 / 24 / 40 / 256 rows: each row block the GEMV has). The recorded arguments go
-through Triton's own binder for the CUDA backend, so the signature, the constexprs and the specialisations
-(divisibility by 16, values of 1) are those a GPU launch would compile. Weights are never computed: the model's
-linear layers are shape-only stand-ins and the quantized weights are uninitialised, so a 27B layout costs little
-memory. The presets' layouts are kept (hidden size, heads, head dims,
-intermediate and vocabulary sizes); only the layer count is cut to one Gated DeltaNet and one attention layer (plus
-the MTP head), which run the same launches as all of them. A kernel of the package that no launch reaches is an error
-too (a new kernel must be added here).
+kernel set for decode and a speculative verify of STEP_ROWS rows (every KV bucket), every small-piece bucket (with a
+device count) and one long piece, and the quantized GEMVs and the dequantise kernel at every projection shape of the
+preset (fp8 with per-channel and 128-wide block scales, nvfp4; decode, and 8 / 24 / 40 / 256 rows: each row block the
+GEMV has). The recorded arguments go through Triton's own binder for the CUDA backend, so the signature, the
+constexprs and the specialisations (divisibility by 16, values of 1) are those a GPU launch would compile. Weights
+are never computed: the model's linear layers are shape-only stand-ins and the quantized weights are uninitialised,
+so a 27B layout costs little memory. The presets' layouts are kept (hidden size, heads, head dims, intermediate and
+vocabulary sizes); only the layer count is cut to one Gated DeltaNet and one attention layer (plus the MTP head),
+which run the same launches as all of them. A kernel of the package that no launch reaches is an error too (a new
+kernel must be added here).
 
 Each distinct compile is reported as ``cubin`` (all stages), ``ptx only`` (the frontend built PTX, ptxas refused it:
 the message says why) or ``FAILED`` (the frontend itself failed). Exit status 1 when anything is not ``cubin`` or a

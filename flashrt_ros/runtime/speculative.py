@@ -23,10 +23,11 @@ GEMV against its GEMM, cuBLAS, the fused quantized GEMV and its rows buckets), s
 equal k + 1 one-row decode steps. Instead every step, plain decode included, has STEP_ROWS rows: one GEMM shape,
 where a row's bytes do not depend on its index or on the other rows; the recurrent parts (conv, gated delta rule)
 run the rows kernels, which compute each row as the one-token kernels do and write the state after each row
-straight into RowStates (one launch per layer, no copies); attention masks by position over the KV bucket of the first row,
-and a step drafts only as far as that bucket reaches. Committing ``c`` tokens then copies row ``c - 1``'s state into
-the arena: bit-identical to ``c`` plain steps. KV rows past the committed position are zeroed (the main and the MTP
-cache). The MTP head's KV rows written while drafting are rewritten by the verify with the model's hidden states.
+straight into RowStates (one launch per layer, no copies); attention masks by position over the KV bucket of the
+first row, and a step drafts only as far as that bucket reaches. Committing ``c`` tokens then copies row ``c - 1``'s
+state into the arena: bit-identical to ``c`` plain steps. KV rows past the committed position are zeroed (the main
+and the MTP cache). The MTP head's KV rows written while drafting are rewritten by the verify with the model's hidden
+states.
 
 The carried pick. The verify's logits of row ``c - 1`` are the logits of the state that committing ``c`` tokens makes
 live, through the same STEP_ROWS-row head, so the verify also picks after its last live row and keeps the pick

@@ -136,7 +136,8 @@ def run(cfg: SpecBenchConfig) -> dict:
             "dense_gemv": cfg.engine.dense_gemv, "prompts": cfg.prompts, "context": cfg.context,
             "decode_tokens": cfg.decode_tokens, "repeats": cfg.repeats, "text": cfg.text,
             "assumed_acceptance": cfg.assumed_acceptance, "acceptance_from": cfg.acceptance_from,
-            "projection": label, "commit": _commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "projection": label, "commit": _commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch_threads": torch.get_num_threads(), "rows": rows,
             "token_identical": all(r["token_identical"] for r in rows)}
 
@@ -147,7 +148,8 @@ def markdown(result: dict) -> str:
     with_ratio = "projected_speedup" in result["rows"][0]
     lines = ["| drafts | acceptance | tokens/step | step ms | tok/s | ms/token | vs plain | same tokens |"
              + (f" tok/s at {label} |" if label else "") + (" vs plain there |" if with_ratio else ""),
-             "|---:|---:|---:|---:|---:|---:|---:|:---:|" + ("---:|" if label else "") + ("---:|" if with_ratio else "")]
+             "|---:|---:|---:|---:|---:|---:|---:|:---:|" + ("---:|" if label else "")
+             + ("---:|" if with_ratio else "")]
     for r in result["rows"]:
         lines.append(f"| {r['speculative_tokens']} | {r['acceptance_rate']:.1%} | {r['tokens_per_step']:.2f} | "
                      f"{r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} | {r['speedup']:.2f}x | "
