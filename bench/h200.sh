@@ -19,6 +19,11 @@ OUT=${OUT:-/tmp/out}/$RUN; mkdir -p "$OUT"; echo "results in $RUN/"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee -a "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 echo "commit $FLASHRT_GIT_COMMIT" | tee -a "$OUT/gpu.txt"
+spec_run() {  # seconds name label args...: bench-spec with args into $OUT/name.json, its log beside it
+  local seconds=$1 name=$2 label=$3; shift 3
+  timeout "$seconds" python3 -m flashrt_ros.tools bench-spec "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "bench-spec $label rc=$?"; grep -v -i warn "$OUT/$name.log" | grep "^|"
+}
 bench() {  # preset contexts repeats
   timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.tools bench --model "$1" --device cuda --dtype bfloat16 --contexts "$2" --repeats "$3" \
       --decode-tokens 64 --compare-hf --profile --out "$OUT/bench_$1.json" > "$OUT/bench_$1.log" 2>&1
@@ -68,16 +73,14 @@ for phase in "$@"; do
       # measured tokens per step (full and trimmed draft vocabularies), then exactness on CUDA graphs. SPEC_MODEL: a folder
       # of bench/train_tiny_lm.py (carried: bench/models/ is ignored by git)
       model=${SPEC_MODEL:-bench/models/lm}
-      timeout 150 python3 -m flashrt_ros.tools bench-spec --model "$model" --device cuda --kernels triton \
+      spec_run 150 bench_spec_trained trained --model "$model" --device cuda --kernels triton \
           --text "$model/heldout.txt" --drafts 0,1,2,3,4 --prompts 4 --context 64 --decode-tokens 128 --repeats 5 \
-          --max-context 512 --out "$OUT/bench_spec_trained.json" > "$OUT/bench_spec_trained.log" 2>&1
-      echo "bench-spec trained rc=$?"; grep "^|" "$OUT/bench_spec_trained.log"
+          --max-context 512
       for vocab in ${SPEC_VOCABS:-0 32768}; do
-        timeout 150 python3 -m flashrt_ros.tools bench-spec --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
-            --kernels triton --dense-gemv "${DENSE_GEMV:-cublas}" --draft-vocab $vocab --drafts 0,1,2,3,4 --prompts 2 \
-            --context 1024 --decode-tokens 64 --repeats 3 --acceptance-from "$OUT/bench_spec_trained.json" \
-            --out "$OUT/bench_spec_qwen3.5-0.8b_vocab$vocab.json" > "$OUT/bench_spec_vocab$vocab.log" 2>&1
-        echo "bench-spec draft_vocab $vocab rc=$?"; grep "^|" "$OUT/bench_spec_vocab$vocab.log"
+        spec_run 150 "bench_spec_qwen3.5-0.8b_vocab$vocab" "draft_vocab $vocab" --model qwen3.5-0.8b --device cuda \
+            --dtype bfloat16 --kernels triton --dense-gemv "${DENSE_GEMV:-cublas}" --draft-vocab $vocab \
+            --drafts 0,1,2,3,4 --prompts 2 --context 1024 --decode-tokens 64 --repeats 3 \
+            --acceptance-from "$OUT/bench_spec_trained.json"
       done
       FLASHRT_SPEC_MODEL="$model" timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore \
           test/runtime/test_speculative_gpu.py \
@@ -87,11 +90,10 @@ for phase in "$@"; do
       ;;
     spec-27b)  # issue 27 and 26: the 27B shape's plain decode (the k = 0 row) and 3-draft step, projected at the
       # tokens per step of SPEC_ACCEPTANCE (a trained model's bench-spec JSON, e.g. this run's or an earlier one's)
-      timeout 480 python3 -m flashrt_ros.tools bench-spec --model qwen3.6-27b --device cuda --dtype bfloat16 \
+      spec_run 480 bench_spec_qwen3.6-27b_vocab32768 27b --model qwen3.6-27b --device cuda --dtype bfloat16 \
           --kernels triton --draft-vocab 32768 --drafts 0,3 --prompts 1 --context 1024 --decode-tokens 32 --repeats 2 \
-          --acceptance-from "${SPEC_ACCEPTANCE:-$OUT/bench_spec_trained.json}" \
-          --out "$OUT/bench_spec_qwen3.6-27b_vocab32768.json" > "$OUT/bench_spec_27b.log" 2>&1
-      echo "bench-spec 27b rc=$?"; grep "^|" "$OUT/bench_spec_27b.log"; grep -i "error" "$OUT/bench_spec_27b.log" | tail -3
+          --acceptance-from "${SPEC_ACCEPTANCE:-$OUT/bench_spec_trained.json}"
+      grep -i "error" "$OUT/bench_spec_qwen3.6-27b_vocab32768.log" | tail -3
       ;;
     gemv)  # the dense GEMV of decode and verify: tune it (rows 1..5, 0.8B then 27B shapes), then cuBLAS vs it on 0.8B
       gemv_tune() {  # presets budget_s name
@@ -109,10 +111,9 @@ for phase in "$@"; do
           --out "$OUT/gemv_decode_0.8b.json" > "$OUT/gemv_decode_0.8b.log" 2>&1
       echo "bench decode rc=$?"; grep -v -i warn "$OUT/gemv_decode_0.8b.log" | grep "^|"
       for path in cublas triton; do
-        timeout 100 python3 -m flashrt_ros.tools bench-spec --model qwen3.5-0.8b --device cuda --dtype bfloat16 --kernels triton \
-            --dense-gemv $path --drafts 0,1,2,3,4 --prompts 2 --context 1024 --decode-tokens 64 --repeats 3 \
-            --assumed-acceptance 0.6 --out "$OUT/gemv_spec_0.8b_$path.json" > "$OUT/gemv_spec_0.8b_$path.log" 2>&1
-        echo "bench-spec $path rc=$?"; grep -v -i warn "$OUT/gemv_spec_0.8b_$path.log" | grep "^|"
+        spec_run 100 "gemv_spec_0.8b_$path" "$path" --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
+            --kernels triton --dense-gemv $path --drafts 0,1,2,3,4 --prompts 2 --context 1024 --decode-tokens 64 \
+            --repeats 3 --assumed-acceptance 0.6
       done
       gemv_tune qwen3.6-27b "${GEMV_TUNE_27B_S:-40}" 27b
       ;;
