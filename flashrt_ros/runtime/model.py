@@ -14,7 +14,7 @@ from torch import nn
 
 from .arena import LAST_TOKEN, POSITION, ROPE_DELTA, Arena
 from .config import ModelConfig
-from .kernels import KernelSet
+from .kernels import KernelSet, output_gate
 from .vision.encoder import VisionEncoder
 from .kernels.rope import mrope_components, mrope_rows
 from .kernels.dense_gemv import MAX_ROWS as GEMV_ROWS
@@ -210,10 +210,10 @@ class Attention(nn.Module):
         length = q.shape[0]
         keys, values = kv_cache[:kv_len, 0], kv_cache[:kv_len, 1]
         if dense:
-            out = kernels.attention_prefill(q, keys, values)
+            out = output_gate(kernels.attention_prefill(q, keys, values), gate)
         else:
-            out = kernels.attention_decode(q, keys, values, positions)
-        return project(self.o_proj, (out * torch.sigmoid(gate)).reshape(length, -1), kernels, residual)
+            out = kernels.attention_decode(q, keys, values, positions, gate)
+        return project(self.o_proj, out.reshape(length, -1), kernels, residual)
 
 
 class DecoderLayer(nn.Module):

@@ -242,23 +242,26 @@ def test_gated_delta_rule_rows_refuses_rows_not_laid_out_as_the_state():
 # ---- attention -------------------------------------------------------------------------------------------------
 
 def attention_inputs(length, span, layout, dtype, seed):
-    """q as the first half of a [L, H, 2D] projection (strided), keys/values as row views of a [T, 2, Hkv, D] cache."""
+    """q and the output gate as the halves of a [L, H, 2D] projection (strided, as the model splits it), keys/values
+    as row views of a [T, 2, Hkv, D] cache."""
     heads, kv_heads, dim = layout
     g = gen(seed)
-    q = torch.randn(length, heads, 2 * dim, generator=g).to(dtype).to(DEVICE)[..., :dim]
+    query_gate = torch.randn(length, heads, 2 * dim, generator=g).to(dtype).to(DEVICE)
     cache = torch.randn(span, 2, kv_heads, dim, generator=g).to(dtype).to(DEVICE)
-    return q, cache
+    return query_gate[..., :dim], query_gate[..., dim:], cache
 
 
-def attention_float64(q, keys, values, positions):
-    """Per query row: softmax over keys 0..position in float64, GQA by repeating the KV heads."""
+def attention_float64(q, keys, values, positions, gate=None):
+    """Per query row: softmax over keys 0..position in float64, GQA by repeating the KV heads; times sigmoid(gate)
+    when a gate is given."""
     groups = q.shape[1] // keys.shape[1]
     keys, values = (x.double().repeat_interleave(groups, dim=1) for x in (keys, values))
     out = []
     for i, p in enumerate(positions.tolist()):
         scores = torch.einsum("hd,thd->ht", q[i].double(), keys[:p + 1]) * q.shape[-1] ** -0.5
         out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), values[:p + 1]))
-    return torch.stack(out)
+    out = torch.stack(out)
+    return out if gate is None else out * torch.sigmoid(gate.double())
 
 
 def decode_positions(kind, length, span, g):
@@ -285,15 +288,15 @@ def test_attention_decode_triton_matches_reference_and_float64_and_never_reads_s
     seed = seed_of(layout, length, kind, dtype)
     g = gen(seed)
     span = span_for(ATTENTION_LAYOUTS[layout][2])
-    q, cache = attention_inputs(length, span, ATTENTION_LAYOUTS[layout], dtype, seed=seed + 1)
+    q, gate, cache = attention_inputs(length, span, ATTENTION_LAYOUTS[layout], dtype, seed=seed + 1)
     positions = decode_positions(kind, length, span, g).to(DEVICE)
     last = int(positions.max())
     clean = cache.clone()
     clean[last + 1:] = 0.0
     cache[last + 1:] = float("nan")          # stale bytes past every query's position: never read
-    want = attention_float64(q, clean[:, 0], clean[:, 1], positions)
-    ref = attention.attention_masked(q, clean[:, 0], clean[:, 1], positions)
-    out = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions)
+    want = attention_float64(q, clean[:, 0], clean[:, 1], positions, gate)
+    ref = attention.attention_decode_reference(q, clean[:, 0], clean[:, 1], positions, gate)
+    out = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions, gate)
     assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
     errors = {"triton": rel(out, want), "reference": rel(ref, want), "vs_ref": rel(out, ref)}
     assert errors["triton"] <= TOLERANCE[dtype], errors
@@ -301,16 +304,38 @@ def test_attention_decode_triton_matches_reference_and_float64_and_never_reads_s
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_attention_decode_triton_gates_with_the_references_roundings(dtype):
+    """The fused gate rounds as :func:`attention.output_gate` does (attention output, sigmoid and product each in
+    the model dtype): against the same kernel with a gate of +20 (sigmoid exactly 1 in fp32, so the ungated output)
+    put through ``output_gate``. The sigmoid's exp may differ from torch's by an fp32 ulp, which can move a rounding:
+    at most one element in a thousand, by one step; without the intermediate roundings ~10% of elements differ."""
+    length, span, layout = 7, span_for(256), ATTENTION_LAYOUTS["0.8b"]
+    q, gate, cache = attention_inputs(length, span, layout, dtype, seed=seed_of("gate rounding", dtype))
+    positions = decode_positions("consecutive", length, span, gen(3)).to(DEVICE)
+    ungated = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions, torch.full_like(gate, 20.0))
+    want = attention.output_gate(ungated, gate)
+    out = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions, gate)
+    differ = out != want
+    assert int(differ.sum()) <= out.numel() // 1000, f"{int(differ.sum())} of {out.numel()} elements differ"
+    step = torch.finfo(dtype).eps * want.float().abs()
+    assert bool(((out.float() - want.float()).abs() <= step + torch.finfo(dtype).tiny).all())
+
+
+@needs_triton
 def test_attention_decode_triton_refuses_bad_layouts():
-    q, cache = attention_inputs(2, 64, ATTENTION_LAYOUTS["tiny"], torch.float32, seed=9)
+    q, gate, cache = attention_inputs(2, 64, ATTENTION_LAYOUTS["tiny"], torch.float32, seed=9)
     positions = torch.tensor([3, 4], device=DEVICE)
     keys, values = cache[:, 0], cache[:, 1]
     with pytest.raises(LayoutError, match="positions must be torch.int64"):
-        attention.attention_decode_triton(q, keys, values, positions.int())
+        attention.attention_decode_triton(q, keys, values, positions.int(), gate)
     with pytest.raises(LayoutError, match="Hkv dividing H"):
-        attention.attention_decode_triton(q[:, :3], keys, values, positions)
+        attention.attention_decode_triton(q[:, :3], keys, values, positions, gate[:, :3])
+    with pytest.raises(LayoutError, match="a gate shaped as q"):
+        attention.attention_decode_triton(q, keys, values, positions, gate[:1])
     with pytest.raises(LayoutError, match="unit stride"):
-        attention.attention_decode_triton(q, keys.transpose(1, 2).contiguous().transpose(1, 2), values, positions)
+        attention.attention_decode_triton(q, keys.transpose(1, 2).contiguous().transpose(1, 2), values, positions,
+                                          gate)
 
 
 PREFILL_CASES = [(name, length, span) for name in ATTENTION_LAYOUTS for length, span in ((9, 9), (6, 21))]
@@ -323,7 +348,7 @@ def test_attention_prefill_matches_float64(layout, length, span, dtype, grouped,
     """Both paths: SDPA with enable_gqa and the lower-right bias (forced here; on CUDA taken where flash runs it) and
     the repeated-K/V fallback."""
     monkeypatch.setattr(attention, "_flash_takes_gqa", lambda *_: grouped)
-    q, cache = attention_inputs(length, span, ATTENTION_LAYOUTS[layout], dtype, seed=length * span)
+    q, _, cache = attention_inputs(length, span, ATTENTION_LAYOUTS[layout], dtype, seed=length * span)
     want = attention_float64(q, cache[:, 0], cache[:, 1], torch.arange(span - length, span))
     out = attention.attention_prefill(q, cache[:, 0], cache[:, 1])
     assert out.shape == q.shape and out.dtype == dtype
@@ -385,22 +410,22 @@ def test_gpu_gated_delta_rule_rows_equal_one_row_steps(layout, live, dtype):
 @pytest.mark.parametrize("span", [2048, 16384])
 @pytest.mark.parametrize("length", [1, 16, 64])
 def test_gpu_attention_decode_long_buckets_and_one_graph_for_every_position(layout, span, length):
-    q, cache = attention_inputs(length, span, ATTENTION_LAYOUTS[layout], torch.bfloat16, seed=span + length)
+    q, gate, cache = attention_inputs(length, span, ATTENTION_LAYOUTS[layout], torch.bfloat16, seed=span + length)
     g = gen(span)
     positions = decode_positions("consecutive", length, span, g).to(DEVICE)
-    out = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions)
-    want = attention_float64(q, cache[:, 0], cache[:, 1], positions)
-    ref = attention.attention_masked(q, cache[:, 0], cache[:, 1], positions)
+    out = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions, gate)
+    want = attention_float64(q, cache[:, 0], cache[:, 1], positions, gate)
+    ref = attention.attention_decode_reference(q, cache[:, 0], cache[:, 1], positions, gate)
     error = assert_within("output vs float64", out, want, TOLERANCE[torch.bfloat16])
     assert error <= 1.5 * rel(ref, want) + 1e-6, f"Triton error {error:.3g} vs the reference's {rel(ref, want):.3g}"
     live = positions.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], live)
+        captured = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], live, gate)
     for start in (0, 100, span // 2, span - length):
         live.copy_(torch.arange(start, start + length, device=DEVICE))
         graph.replay()
-        eager = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], live)
+        eager = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], live, gate)
         assert_same_bytes(f"graph replay vs eager, positions from {start}", captured, eager)
 
 
@@ -408,7 +433,7 @@ def test_gpu_attention_decode_long_buckets_and_one_graph_for_every_position(layo
 @pytest.mark.parametrize("layout", ["0.8b", "27b"])
 @pytest.mark.parametrize("length,span", [(4096, 4096), (512, 4096), (16384, 16384)])
 def test_gpu_attention_prefill_runs_flash_without_repeated_kv(layout, length, span):
-    q, cache = attention_inputs(length, span, ATTENTION_LAYOUTS[layout], torch.bfloat16, seed=7)
+    q, _, cache = attention_inputs(length, span, ATTENTION_LAYOUTS[layout], torch.bfloat16, seed=7)
     keys, values = cache[:, 0], cache[:, 1]
     assert attention._flash_takes_gqa(*(x.transpose(0, 1)[None] for x in (q, keys, values)))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

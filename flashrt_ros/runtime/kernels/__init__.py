@@ -14,7 +14,8 @@ import torch
 
 from ._triton import IMPORT_ERROR, triton
 from .activations import silu_mul, silu_mul_triton
-from .attention import attention_causal, attention_decode_triton, attention_masked, attention_prefill
+from .attention import (attention_causal, attention_decode_reference, attention_decode_triton, attention_masked,
+                        attention_prefill, output_gate)
 from .conv import causal_conv, causal_conv_rows, causal_conv_rows_triton, causal_conv_triton
 from .dense_gemv import dense_linear, dense_linear_triton
 from .delta_rule import (delta_rule_chunked, delta_rule_fla, delta_rule_gates, delta_rule_recurrent, fla_available,
@@ -26,7 +27,7 @@ from .rope import apply_rope, qk_norm_rope_kv_write, qk_norm_rope_kv_write_trito
 
 __all__ = ["CHOICES", "DENSE_GEMV_CHOICES", "KernelSet", "REFERENCE", "TRITON", "apply_rope", "attention_causal",
            "attention_masked", "causal_conv", "delta_rule_chunked", "delta_rule_fla", "delta_rule_recurrent",
-           "fla_available", "gated_rms_norm", "l2norm", "rms_norm", "select"]
+           "fla_available", "gated_rms_norm", "l2norm", "output_gate", "rms_norm", "select"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ class KernelSet:
     gated_delta_rule: Callable     # decode and pieces <= SMALL_PIECE (graph-captured on CUDA)
     gated_delta_rule_rows: Callable  # a speculative verify's rows, keeping the state after each
     delta_rule_long: Callable      # eager pieces > SMALL_PIECE
-    attention_decode: Callable     # queries at arbitrary positions over a KV bucket
+    attention_decode: Callable     # queries at arbitrary positions over a KV bucket, output-gated
     attention_prefill: Callable    # queries that are the last L of exactly T positions
     dense_linear: Callable | None = None   # dense projections of <= dense_gemv.MAX_ROWS rows (None: F.linear, cuBLAS)
 
@@ -53,7 +54,7 @@ REFERENCE = KernelSet(
     silu_mul=silu_mul, causal_conv=causal_conv, causal_conv_rows=causal_conv_rows,
     qk_norm_rope_kv_write=qk_norm_rope_kv_write, gated_delta_rule=gated_delta_rule_reference,
     gated_delta_rule_rows=gated_delta_rule_rows, delta_rule_long=gated_delta_rule_reference,
-    attention_decode=attention_masked, attention_prefill=attention_causal)
+    attention_decode=attention_decode_reference, attention_prefill=attention_causal)
 
 TRITON = KernelSet(
     name="triton", rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton, gated_rms_norm=gated_rms_norm_triton,

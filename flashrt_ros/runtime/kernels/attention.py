@@ -1,6 +1,7 @@
 """Causal GQA attention over the position-major KV cache: reference implementations, a flash-decoding Triton kernel
-(:func:`attention_decode_triton`, the contract of :func:`attention_masked`) and a prefill entry point that keeps K/V
-unrepeated (:func:`attention_prefill`, the contract of :func:`attention_causal`)."""
+that also applies the output gate (:func:`attention_decode_triton`, the contract of :func:`attention_decode_reference`)
+and a prefill entry point that keeps K/V unrepeated (:func:`attention_prefill`, the contract of
+:func:`attention_causal`)."""
 from __future__ import annotations
 
 import torch
@@ -32,6 +33,17 @@ def attention_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     probs = scores.float().masked_fill(~visible, float("-inf")).softmax(-1).to(values.dtype)
     out = torch.bmm(probs, values.transpose(0, 1))                             # [Hkv, G*L, D]
     return out.view(kv_heads, groups, length, dim).permute(2, 0, 1, 3).reshape(length, heads, dim)
+
+
+def output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's attention output gate, ``out * sigmoid(gate)`` in the model dtype (as transformers computes it)."""
+    return out * torch.sigmoid(gate)
+
+
+def attention_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                               gate: torch.Tensor) -> torch.Tensor:
+    """Decode attention as the model uses it: :func:`attention_masked` through :func:`output_gate`; gate [L, H, D]."""
+    return output_gate(attention_masked(q, keys, values, positions), gate)
 
 
 def attention_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -126,28 +138,38 @@ def _attention_split_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v
 
 
 @jit
-def _attention_combine_kernel(acc_ptr, max_ptr, sum_ptr, pos_ptr, out_ptr, heads, dim, splits,
-                              SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (query row, head): merges the partials of the splits that hold keys <= the row's position."""
+def _attention_combine_kernel(acc_ptr, max_ptr, sum_ptr, pos_ptr, gate_ptr, gate_row, gate_head, out_ptr, heads, dim,
+                              splits, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
+    """One program per (query row, head): merges the partials of the splits that hold keys <= the row's position,
+    CHUNK_S splits per load (the loads of a chunk are independent, so a short bucket is one round trip to memory),
+    then applies the output gate with :func:`output_gate`'s roundings (the attention output, the sigmoid and the
+    product each rounded to the model dtype)."""
     row, head = tl.program_id(0), tl.program_id(1)
     live_splits = tl.minimum(tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1, splits)
     base = (row * heads + head) * splits
     s = tl.arange(0, BLOCK_S)
     maxes = tl.load(max_ptr + base + s, mask=s < live_splits, other=float("-inf"))
     top = tl.max(maxes, axis=0)
-    weights = tl.exp(maxes - top)
-    total = tl.sum(weights * tl.load(sum_ptr + base + s, mask=s < live_splits, other=0.0), axis=0)
+    total = tl.sum(tl.exp(maxes - top) * tl.load(sum_ptr + base + s, mask=s < live_splits, other=0.0), axis=0)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < dim
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for i in range(0, live_splits):
-        weight = tl.exp(tl.load(max_ptr + base + i) - top)
-        acc += weight * tl.load(acc_ptr + (base + i) * dim + dims, mask=dim_mask, other=0.0)
-    out = round_like(acc / total, out_ptr).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + (row * heads + head) * dim + dims, out, mask=dim_mask)
+    for first in range(0, live_splits, CHUNK_S):
+        chunk = first + tl.arange(0, CHUNK_S)
+        in_chunk = chunk < live_splits
+        weights = tl.exp(tl.load(max_ptr + base + chunk, mask=in_chunk, other=float("-inf")) - top)
+        partial = tl.load(acc_ptr + (base + chunk)[:, None] * dim + dims[None, :],
+                          mask=in_chunk[:, None] & dim_mask[None, :], other=0.0)
+        acc += tl.sum(weights[:, None] * partial, axis=0)
+    out = round_like(acc / total, out_ptr)
+    gate = tl.load(gate_ptr + row * gate_row + head * gate_head + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    out = round_like(out * round_like(1.0 / (1.0 + tl.exp(-gate)), out_ptr), out_ptr)
+    tl.store(out_ptr + (row * heads + head) * dim + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
 TARGET_PROGRAMS = 256  # split programs a launch aims at when the bucket is long (an H200 has 132 SMs)
+COMBINE_CHUNK = 32     # splits the combine loads at once ([32, 256] fp32 partials: 64 registers a thread)
 
 
 def _decode_plan(length: int, kv_heads: int, groups: int, span: int, dim: int) -> dict:
@@ -165,25 +187,27 @@ def _decode_plan(length: int, kv_heads: int, groups: int, span: int, dim: int) -
                 splits=triton.cdiv(span, split), warps=8 if block_m * block_d >= 8192 else 4)  # no spills on sm_90
 
 
-def attention_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                            positions: torch.Tensor) -> torch.Tensor:
-    """:func:`attention_masked` as flash decoding: the bucket's keys are cut into splits, one program per (rows, KV
-    head, split), and a second kernel merges the splits' partial softmaxes. Splits past a row's position cost one
-    position load, so the work follows the live position, not the bucket. q: [L, H, D]; keys/values: [T, Hkv, D]
-    (row views of the cache: any row and head strides, unit last stride); positions: [L] int64 on the device,
-    each < T. Scores and softmax in fp32. Returns [L, H, D] contiguous in q's dtype."""
+def attention_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                            gate: torch.Tensor) -> torch.Tensor:
+    """:func:`attention_decode_reference` as flash decoding: the bucket's keys are cut into splits, one program per
+    (rows, KV head, split), and a second kernel merges the splits' partial softmaxes and applies the output gate.
+    Splits past a row's position cost one position load, so the work follows the live position, not the bucket.
+    q, gate: [L, H, D]; keys/values: [T, Hkv, D] (row views of the cache: any row and head strides, unit last
+    stride); positions: [L] int64 on the device, each < T. Scores and softmax in fp32. Returns [L, H, D] contiguous
+    in q's dtype."""
     op = "attention_decode_triton"
-    require_launchable(op, q, keys, values, positions)
-    for name, t in (("q", q), ("keys", keys), ("values", values)):
+    require_launchable(op, q, keys, values, positions, gate)
+    for name, t in (("q", q), ("keys", keys), ("values", values), ("gate", gate)):
         require_rows(op, name, t, 3, q.dtype)
     require_model_dtype(op, q)
     require_rows(op, "positions", positions, 1, torch.int64)
     length, heads, dim = q.shape
     span, kv_heads = keys.shape[:2]
     require(values.shape == keys.shape and keys.shape[2] == dim and heads % kv_heads == 0
-            and positions.shape[0] == length, op,
+            and positions.shape[0] == length and gate.shape == q.shape, op,
             f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}, positions "
-            f"{tuple(positions.shape)}: need keys/values [T, Hkv, D] with Hkv dividing H and L positions")
+            f"{tuple(positions.shape)}, gate {tuple(gate.shape)}: need keys/values [T, Hkv, D] with Hkv dividing H, "
+            f"L positions and a gate shaped as q")
     require(dim >= 16, op, f"head dim must be >= 16 (tl.dot), got {dim}")
     groups = heads // kv_heads
     plan = _decode_plan(length, kv_heads, groups, span, dim)
@@ -198,7 +222,9 @@ def attention_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         FP32_DOT=q.dtype == torch.float32 or INTERPRETED, num_warps=plan["warps"],
         num_stages=2)
     out = torch.empty(length, heads, dim, dtype=q.dtype, device=q.device)
-    _attention_combine_kernel[(length, heads)](acc, maxes, sums, positions, out, heads, dim, splits,
-                                               SPLIT=plan["split"], BLOCK_S=triton.next_power_of_2(splits),
-                                               BLOCK_D=plan["block_d"], num_warps=4)
+    block_s = triton.next_power_of_2(splits)
+    _attention_combine_kernel[(length, heads)](acc, maxes, sums, positions, gate, gate.stride(0), gate.stride(1), out,
+                                               heads, dim, splits, SPLIT=plan["split"], BLOCK_S=block_s,
+                                               CHUNK_S=min(block_s, COMBINE_CHUNK), BLOCK_D=plan["block_d"],
+                                               num_warps=4)
     return out
