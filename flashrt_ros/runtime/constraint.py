@@ -6,8 +6,9 @@ matcher cannot be serialised, so snapshots keep that state and restores rebuild 
 (``Constraint(llg_tok, state)``), which reaches the same matcher state because the matcher is deterministic.
 
 The mask is llguidance's bitmask (one bit per token id, little-endian 32-bit words), computed on the CPU and copied
-into a static device buffer of words that the decode step expands and applies as a masked fill of the logits
-(:func:`apply_mask`), so a captured decode graph reads it without being re-captured.
+into a static device buffer of words that the decode step applies to the logits (``kernels.pick``: the masked fill
+of a sampled pick, the fused masked argmax of a greedy one), so a captured decode graph reads it without being
+re-captured.
 """
 from __future__ import annotations
 
@@ -169,7 +170,7 @@ class Constraint:
 
 
 def mask_lookup(vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The static word index and bit of every token id, for :func:`apply_mask`."""
+    """The static word index and bit of every token id, for ``kernels.pick.apply_mask``."""
     ids = torch.arange(vocab_size, device=device, dtype=torch.int32)
     return (ids // 32).long(), ids % 32
 
@@ -178,9 +179,3 @@ def mask_words(vocab_size: int, device: torch.device, rows: int) -> torch.Tensor
     """The device buffer of mask words, ``rows`` masks (one per row a step picks from), every token allowed."""
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
 
-
-def apply_mask(logits: torch.Tensor, words: torch.Tensor, lookup: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Logits with the tokens whose bit is clear set to -inf (device ops only, so a graph can capture it)."""
-    word_index, bit = lookup
-    allowed = (words[word_index] >> bit) & 1
-    return logits.masked_fill(allowed == 0, float("-inf"))

@@ -31,7 +31,7 @@ from . import constraint as constraints
 from .constraint import Constraint, ConstraintState
 from .errors import ErrorCode, FlashRTError
 from .graphs import GraphRunner
-from .kernels import quant_gemv
+from .kernels import apply_mask, quant_gemv
 from . import kernels as kernel_sets
 from . import platform, quant
 from .model import PIECE_BUCKET, SMALL_PIECE
@@ -319,8 +319,11 @@ class Engine:
     def _sample_step(self, greedy: bool):
         """The first part of the plain decode step: the next token, masked, into ``_tokens[0]``."""
         def sample():
-            logits = constraints.apply_mask(self.model.logits(), self._mask_words[0], self._mask_lookup)
-            token = self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
+            logits, words = self.model.logits(), self._mask_words[:1]
+            if greedy:
+                token = self.model.kernels.greedy_pick(logits[None], words, self._mask_lookup)
+            else:
+                token = self.sampler.sample(apply_mask(logits, words[0], self._mask_lookup), self.arena["meta"])
             self._tokens[:1].copy_(token)
         return sample
 

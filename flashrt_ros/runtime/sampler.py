@@ -1,4 +1,5 @@
-"""Token sampling inside the step: greedy, or temperature / top-k / top-p with a counter-based RNG in the arena.
+"""Token sampling inside the step: temperature / top-k / top-p with a counter-based RNG in the arena (the greedy pick
+is a kernel: ``kernels.pick``).
 
 Sampling settings live in small static device tensors (not part of the state: they belong to the request), so one
 captured graph serves every setting. The random draw is Gumbel-max over the filtered, sorted logits, keyed by the
@@ -56,10 +57,6 @@ class Sampler:
         self.temperature.fill_(params.temperature if not params.greedy else 1.0)
         self.top_k.fill_(params.top_k if params.top_k > 0 else self.ranks.numel())
         self.top_p.fill_(params.top_p)
-
-    @staticmethod
-    def greedy(logits: torch.Tensor) -> torch.Tensor:
-        return logits.argmax(-1, keepdim=True)
 
     def sample(self, logits: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """Draw one token (shape [1]) and advance the arena's RNG counter."""

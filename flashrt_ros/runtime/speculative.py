@@ -42,7 +42,7 @@ import dataclasses
 import torch
 
 from .arena import LAST_TOKEN, POSITION, RNG_COUNTER, Arena
-from .constraint import apply_mask
+from .kernels import apply_mask
 from .model import Qwen35, StepRows
 from .sampler import Sampler
 
@@ -110,9 +110,14 @@ class Stepper:
         self.offsets = torch.arange(STEP_ROWS, device=device)
         self.next_pick = torch.zeros(1, dtype=torch.int64, device=device)  # the pick after the committed rows
 
-    def _pick(self, logits: torch.Tensor, greedy: bool, row: int) -> torch.Tensor:
-        logits = apply_mask(logits, self.mask_words[row], self.mask_lookup)
-        return self.sampler.greedy(logits) if greedy else self.sampler.sample(logits, self.arena["meta"])
+    def _picks(self, logits: torch.Tensor, greedy: bool, first_row: int) -> torch.Tensor:
+        """The (masked) picks after logits rows [R, V], by mask rows ``first_row`` on: greedy in one fused pick;
+        sampled one row after another (each draw moves the RNG counter)."""
+        rows = range(first_row, first_row + logits.shape[0])
+        if greedy:
+            return self.model.kernels.greedy_pick(logits, self.mask_words[rows.start:rows.stop], self.mask_lookup)
+        return torch.cat([self.sampler.sample(apply_mask(row_logits, self.mask_words[row], self.mask_lookup),
+                                              self.arena["meta"]) for row_logits, row in zip(logits, rows)])
 
     def _pick_first(self, greedy: bool, carried: bool) -> None:
         """tokens[0]: the (masked) pick from the arena's last hidden state, through the step's STEP_ROWS-row head;
@@ -123,7 +128,7 @@ class Stepper:
                 self.arena["meta"][RNG_COUNTER] += 1
             return
         self.pick_rows[0].copy_(self.arena["hidden"])
-        self.tokens[:1].copy_(self._pick(self.model.logits(self.pick_rows)[0], greedy, 0))
+        self.tokens[:1].copy_(self._picks(self.model.logits(self.pick_rows)[:1], greedy, 0))
 
     def step(self, k: int, greedy: bool, kv_len: int, carried: bool = False):
         """The step with ``k`` drafts (set ``count`` to k + 1 before running it); it leaves the picked token and the
@@ -174,7 +179,7 @@ class Stepper:
                           step=StepRows(live=k + 1, states=self.rows, hidden=self.hidden_rows))
             self.rows.view(slice(None), "hidden").copy_(self.hidden_rows)
             logits = model.logits(self.hidden_rows)
-            picks = torch.cat([self._pick(logits[row], greedy, row + 1) for row in range(k + 1)])
+            picks = self._picks(logits[:k + 1], greedy, 1)
             self.committed.copy_(1 + (picks[:k] == tokens[1:k + 1]).long().cumprod(0).sum())
             self.next_pick.copy_(picks.index_select(0, (self.committed - 1).view(1)))
         return run

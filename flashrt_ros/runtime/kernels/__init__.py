@@ -21,11 +21,12 @@ from .dense_gemv import dense_linear, dense_linear_triton
 from .delta_rule import (delta_rule_chunked, delta_rule_fla, delta_rule_gates, delta_rule_recurrent, fla_available,
                          gated_delta_rule_reference, gated_delta_rule_rows, gated_delta_rule_rows_triton,
                          gated_delta_rule_triton)
+from .pick import apply_mask, greedy_pick, greedy_pick_triton
 from .norms import (add_rms_norm, add_rms_norm_triton, gated_rms_norm, gated_rms_norm_triton, l2norm, rms_norm,
                     rms_norm_triton)
 from .rope import apply_rope, qk_norm_rope_kv_write, qk_norm_rope_kv_write_triton
 
-__all__ = ["CHOICES", "DENSE_GEMV_CHOICES", "KernelSet", "REFERENCE", "TRITON", "apply_rope", "attention_causal",
+__all__ = ["CHOICES", "DENSE_GEMV_CHOICES", "KernelSet", "REFERENCE", "TRITON", "apply_mask", "apply_rope", "attention_causal",
            "attention_masked", "causal_conv", "delta_rule_chunked", "delta_rule_fla", "delta_rule_recurrent",
            "fla_available", "gated_rms_norm", "l2norm", "output_gate", "rms_norm", "select"]
 
@@ -46,6 +47,7 @@ class KernelSet:
     delta_rule_long: Callable      # eager pieces > SMALL_PIECE
     attention_decode: Callable     # queries at arbitrary positions over a KV bucket, output-gated
     attention_prefill: Callable    # queries that are the last L of exactly T positions
+    greedy_pick: Callable          # the argmax of each logits row over the tokens its mask words allow
     dense_linear: Callable | None = None   # dense projections of <= dense_gemv.MAX_ROWS rows (None: F.linear, cuBLAS)
 
 
@@ -54,14 +56,16 @@ REFERENCE = KernelSet(
     silu_mul=silu_mul, causal_conv=causal_conv, causal_conv_rows=causal_conv_rows,
     qk_norm_rope_kv_write=qk_norm_rope_kv_write, gated_delta_rule=gated_delta_rule_reference,
     gated_delta_rule_rows=gated_delta_rule_rows, delta_rule_long=gated_delta_rule_reference,
-    attention_decode=attention_decode_reference, attention_prefill=attention_causal)
+    attention_decode=attention_decode_reference, attention_prefill=attention_causal,
+    greedy_pick=greedy_pick)
 
 TRITON = KernelSet(
     name="triton", rms_norm=rms_norm_triton, add_rms_norm=add_rms_norm_triton, gated_rms_norm=gated_rms_norm_triton,
     silu_mul=silu_mul_triton, causal_conv=causal_conv_triton, causal_conv_rows=causal_conv_rows_triton,
     qk_norm_rope_kv_write=qk_norm_rope_kv_write_triton, gated_delta_rule=gated_delta_rule_triton,
     gated_delta_rule_rows=gated_delta_rule_rows_triton, delta_rule_long=gated_delta_rule_reference,
-    attention_decode=attention_decode_triton, attention_prefill=attention_prefill)
+    attention_decode=attention_decode_triton, attention_prefill=attention_prefill,
+    greedy_pick=greedy_pick_triton)
 
 
 def _gated_delta_rule_fla(q, k, v, a, b, A_log, dt_bias, state, count=None):
