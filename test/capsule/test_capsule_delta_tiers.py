@@ -14,6 +14,7 @@ import torch
 
 from flashrt_ros.runtime import Engine, EngineConfig, ErrorCode, FlashRTError
 from flashrt_ros.runtime.capsule import file as capsule_file
+from flashrt_ros.runtime.capsule import live
 from flashrt_ros.runtime.platform import PlatformReport
 
 CONFIG = EngineConfig(model="tiny", max_context=256, prefill_chunk=16, history_depth=8)
@@ -76,6 +77,39 @@ def test_sibling_restore_copies_the_fixed_state_and_the_divergence_only_and_is_b
     engine.restore("b1")
     assert engine.last_restore_bytes == engine.capsule("b1").nbytes
     assert greedy(engine, 6) == after_sibling
+
+
+def test_a_sibling_restore_is_one_batched_copy_and_repeats_byte_exact(monkeypatch):
+    """The host-bound path: a sibling restore writes its ranges (fixed state, divergent rows) in one batched copy,
+    over views made on its first restore; restores back and forth keep matching the capsules' bytes."""
+    engine = make()
+    full = planner(engine)
+    calls = []
+    batched = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dsts, srcs, **kw: (calls.append(len(dsts)),
+                                                                            batched(dsts, srcs, **kw)))
+    for name in ("b0", "b1", "b2", "b1", "b0", "b2"):
+        calls.clear()
+        engine.restore(name)
+        assert_live_is(engine, full[name])
+        assert len(calls) == 1 and calls[0] >= 2, calls      # the fixed state's ranges and the branch's rows
+
+
+@pytest.mark.parametrize("limit", [1 << 40, 64], ids=["all-batched", "large-alone"])
+def test_copy_ranges_writes_every_pair_whatever_its_size_alignment_or_dtype(limit, monkeypatch):
+    """Ranges at or above BATCHED_COPY_BYTES go alone, the others in one batched copy per dtype; odd lengths and
+    offsets stay bytes, aligned ones become words: every destination ends equal to its source, nothing else moves."""
+    monkeypatch.setattr(live, "BATCHED_COPY_BYTES", limit)
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    ranges = [(0, 64), (72, 3), (80, 2000), (2101, 17), (2200, 1600)]     # word-aligned or not, small and large
+    live.copy_ranges([(live._words(dst[o:o + n]), live._words(src[o:o + n])) for o, n in ranges])
+    written = torch.zeros(4096, dtype=torch.bool)
+    for offset, length in ranges:
+        written[offset:offset + length] = True
+    assert torch.equal(dst[written], src[written]) and not bool(dst[~written].any())
+    assert live._words(src[8:24]).dtype == torch.int64 and live._words(src[9:25]).dtype == torch.uint8
 
 
 def test_restore_after_a_rollback_below_the_capsule_rewrites_the_overwritten_rows():

@@ -99,6 +99,9 @@ class Block:
     data: torch.Tensor       # uint8, rows * row_bytes
     id: int = dataclasses.field(default_factory=lambda: next(_block_ids))
     refs: int = 0            # segments of stored capsules that hold it
+    # (destination, source) views a restore wrote its rows with, by range: made once (a view costs microseconds of
+    # host time, a sibling restore is host-bound) and freed with the block
+    writes: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:

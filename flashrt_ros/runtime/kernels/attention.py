@@ -141,10 +141,10 @@ def _attention_split_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v
 def _attention_combine_kernel(acc_ptr, max_ptr, sum_ptr, pos_ptr, gate_ptr, gate_row, gate_head, out_ptr, heads, dim,
                               splits, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
                               BLOCK_D: tl.constexpr):
-    """One program per (query row, head): merges the partials of the splits that hold keys <= the row's position,
-    CHUNK_S splits per load (the loads of a chunk are independent, so a short bucket is one round trip to memory),
-    then applies the output gate with :func:`output_gate`'s roundings (the attention output, the sigmoid and the
-    product each rounded to the model dtype)."""
+    """One program per (query row, head, BLOCK_D of the head's dims): merges the partials of the splits that hold
+    keys <= the row's position, CHUNK_S splits per load (the loads of a chunk are independent, so a short bucket is
+    one round trip to memory), then applies the output gate with :func:`output_gate`'s roundings (the attention
+    output, the sigmoid and the product each rounded to the model dtype)."""
     row, head = tl.program_id(0), tl.program_id(1)
     live_splits = tl.minimum(tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1, splits)
     base = (row * heads + head) * splits
@@ -152,7 +152,7 @@ def _attention_combine_kernel(acc_ptr, max_ptr, sum_ptr, pos_ptr, gate_ptr, gate
     maxes = tl.load(max_ptr + base + s, mask=s < live_splits, other=float("-inf"))
     top = tl.max(maxes, axis=0)
     total = tl.sum(tl.exp(maxes - top) * tl.load(sum_ptr + base + s, mask=s < live_splits, other=0.0), axis=0)
-    dims = tl.arange(0, BLOCK_D)
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     dim_mask = dims < dim
     acc = tl.zeros([BLOCK_D], tl.float32)
     for first in range(0, live_splits, CHUNK_S):
@@ -169,7 +169,9 @@ def _attention_combine_kernel(acc_ptr, max_ptr, sum_ptr, pos_ptr, gate_ptr, gate
 
 
 TARGET_PROGRAMS = 256  # split programs a launch aims at when the bucket is long (an H200 has 132 SMs)
-COMBINE_CHUNK = 32     # splits the combine loads at once ([32, 256] fp32 partials: 64 registers a thread)
+COMBINE_CHUNK = 32     # splits the combine loads at once
+COMBINE_DIMS = 64      # head dims per combine program: a one-token step has only heads programs otherwise (8 on
+                       # the 0.8B), each loading every split's whole partial ([32, 64] fp32: 16 registers a thread)
 
 
 def _decode_plan(length: int, kv_heads: int, groups: int, span: int, dim: int) -> dict:
@@ -222,9 +224,8 @@ def attention_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         FP32_DOT=q.dtype == torch.float32 or INTERPRETED, num_warps=plan["warps"],
         num_stages=2)
     out = torch.empty(length, heads, dim, dtype=q.dtype, device=q.device)
-    block_s = triton.next_power_of_2(splits)
-    _attention_combine_kernel[(length, heads)](acc, maxes, sums, positions, gate, gate.stride(0), gate.stride(1), out,
-                                               heads, dim, splits, SPLIT=plan["split"], BLOCK_S=block_s,
-                                               CHUNK_S=min(block_s, COMBINE_CHUNK), BLOCK_D=plan["block_d"],
-                                               num_warps=4)
+    block_s, block_dims = triton.next_power_of_2(splits), min(plan["block_d"], COMBINE_DIMS)
+    _attention_combine_kernel[(length, heads, triton.cdiv(dim, block_dims))](
+        acc, maxes, sums, positions, gate, gate.stride(0), gate.stride(1), out, heads, dim, splits,
+        SPLIT=plan["split"], BLOCK_S=block_s, CHUNK_S=min(block_s, COMBINE_CHUNK), BLOCK_D=block_dims, num_warps=2)
     return out
