@@ -5,7 +5,8 @@
 # SPEC_MODEL, SPEC_VOCABS, spec-27b SPEC_ACCEPTANCE); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
 # PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips))
 # Every phase keeps its whole log under $OUT/<card>_<commit>/ (the device tool returns only the output's tail).
-# The wheels in .whl, where there are any (transformers 5.24.0, fla-core 0.6.0: what the machine lacks), are installed first.
+# The wheels in .whl, where there are any (what the machine lacks: fla-core 0.6.0 and einops, llguidance 1.9.1; `pip download
+# --no-deps` them here), are installed first.
 # Runs on an H100 as well: every result records the card's name.
 set -uo pipefail
 if compgen -G '.whl/*.whl' > /dev/null; then
