@@ -81,8 +81,10 @@ def test_sibling_restore_copies_the_fixed_state_and_the_divergence_only_and_is_b
 
 def test_a_sibling_restore_is_one_batched_copy_and_repeats_byte_exact(monkeypatch):
     """The host-bound path: a sibling restore writes its ranges (fixed state, divergent rows) in one batched copy,
-    over views made on its first restore; restores back and forth keep matching the capsules' bytes."""
+    over views made on its first restore; restores back and forth keep matching the capsules' bytes. (The tiny
+    model's fixed state is under BATCHED_COPY_BYTES, so every range is batched here.)"""
     engine = make()
+    assert engine.layout.fixed_bytes < live.BATCHED_COPY_BYTES
     full = planner(engine)
     calls = []
     batched = torch._foreach_copy_

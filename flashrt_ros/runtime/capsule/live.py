@@ -9,8 +9,8 @@ does those copies.
 
 A restore is host-bound: each ``copy_`` is a dispatch and a ``cudaMemcpyAsync`` (8.5 us of host time each on an H100
 host), each slice a view (2.8 us); a sibling restore was four copies and six slices (``bench/profile_restore.py``).
-So a restore's ranges below :data:`BATCHED_COPY_BYTES` go out in one ``torch._foreach_copy_`` (one launch, over
-8-byte words), over views cached on the blocks.
+So a restore's ranges below :data:`BATCHED_COPY_BYTES` (the metadata, a branch's KV rows) go out in one
+``torch._foreach_copy_`` (one launch, over 8-byte words), the larger ones alone, over views cached on the blocks.
 """
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ from .capsule import FIXED, Block, Layout, Segment
 from .store import CapsuleStore
 
 Plan = dict[str, tuple[tuple[Segment, ...], int]]    # per KV buffer: the shared segments, the row copying starts at
-# A range this large takes the copy engine's bandwidth (cudaMemcpyAsync); below it the launch dominates, and the
-# ranges share one batched copy (64 MiB: 22 us of copy at 3 TB/s)
-BATCHED_COPY_BYTES = 64 << 20
+# A range this large goes alone to cudaMemcpyAsync, which streams it at the copy bandwidth; smaller ranges share one
+# batched copy, whose kernel (torch's multi-tensor apply) keeps only 16 KiB in flight per block of 512 KiB: for a
+# sibling restore's 20 MB fixed state that would be slower than the 8.5 us of host time a memcpy costs
+BATCHED_COPY_BYTES = 1 << 20
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
