@@ -76,6 +76,7 @@ class Arena:
         self.storage = torch.zeros(total, dtype=torch.uint8, device=device)
         self.views = {s.name: self.storage[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in specs}
         self.fixed_bytes = sum(s.nbytes for s in specs if not s.per_token)
+        self.token_bytes = sum(s.row_bytes for s in specs if s.per_token)     # one position's rows of every KV buffer
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.views[name]
@@ -96,7 +97,9 @@ class Arena:
         return int(self.views["meta"][POSITION])
 
     def live_nbytes(self, position: int) -> int:
-        return sum(s.live_bytes(position) for s in self.specs.values())
+        """The live bytes at ``position``: the fixed-size state and ``position`` rows of each KV buffer (read on every
+        restore: no loop over the buffers)."""
+        return self.fixed_bytes + position * self.token_bytes
 
     @property
     def fixed_names(self) -> tuple[str, ...]:

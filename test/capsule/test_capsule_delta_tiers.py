@@ -99,14 +99,16 @@ def test_a_sibling_restore_is_one_batched_copy_and_repeats_byte_exact(monkeypatc
 
 @pytest.mark.parametrize("limit", [1 << 40, 64], ids=["all-batched", "large-alone"])
 def test_copy_ranges_writes_every_pair_whatever_its_size_alignment_or_dtype(limit, monkeypatch):
-    """Ranges at or above BATCHED_COPY_BYTES go alone, the others in one batched copy per dtype; odd lengths and
-    offsets stay bytes, aligned ones become words: every destination ends equal to its source, nothing else moves."""
+    """Ranges at or above BATCHED_COPY_BYTES go alone, the others in one batched copy; odd lengths and offsets
+    stay bytes, aligned ones become words: every destination ends equal to its source, nothing else moves."""
     monkeypatch.setattr(live, "BATCHED_COPY_BYTES", limit)
     g = torch.Generator().manual_seed(3)
     src = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
     dst = torch.zeros(4096, dtype=torch.uint8)
     ranges = [(0, 64), (72, 3), (80, 2000), (2101, 17), (2200, 1600)]     # word-aligned or not, small and large
-    live.copy_ranges([(live._words(dst[o:o + n]), live._words(src[o:o + n])) for o, n in ranges])
+    writes = [live.write(dst[o:o + n], src[o:o + n]) for o, n in ranges]
+    assert [alone for _, _, alone in writes] == [n >= limit for _, n in ranges]
+    live.copy_ranges(writes)
     written = torch.zeros(4096, dtype=torch.bool)
     for offset, length in ranges:
         written[offset:offset + length] = True

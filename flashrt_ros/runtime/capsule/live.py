@@ -33,17 +33,24 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int64) if t.numel() % 8 == 0 and t.data_ptr() % 8 == 0 else t
 
 
-def copy_ranges(writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """dst.copy_(src) for every pair: the large ones alone, the rest in one batched launch (same dtype only)."""
-    batched: dict[torch.dtype, tuple[list, list]] = {}
-    for dst, src in writes:
-        if dst.numel() * dst.element_size() >= BATCHED_COPY_BYTES:
+Write = tuple[torch.Tensor, torch.Tensor, bool]      # destination, source, whether it is copied alone
+
+
+def write(dst: torch.Tensor, src: torch.Tensor) -> Write:
+    """A copy of the byte range ``src`` into ``dst`` for :func:`copy_ranges`, its views and its path decided once."""
+    return _words(dst), _words(src), dst.numel() >= BATCHED_COPY_BYTES
+
+
+def copy_ranges(writes: list[Write]) -> None:
+    """Every write: those of BATCHED_COPY_BYTES or more alone, the rest in one batched copy."""
+    dsts, srcs = [], []
+    for dst, src, alone in writes:
+        if alone:
             dst.copy_(src, non_blocking=True)
         else:
-            dsts, srcs = batched.setdefault(dst.dtype, ([], []))
             dsts.append(dst)
             srcs.append(src)
-    for dsts, srcs in batched.values():
+    if dsts:
         torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
 
@@ -142,12 +149,12 @@ class LiveCopier:
         and only the KV rows the arena does not already hold; returns the bytes written. ``kv_only``: only KV and
         the metadata."""
         fixed = rows[FIXED][0][0]
-        writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        writes: list[Write] = []
         copied = 0
         if kv_only or fixed.id != self.rows.fixed_id:
             names = ("meta",) if kv_only else None
             if names not in fixed.writes:
-                fixed.writes[names] = tuple((_words(live), _words(fixed.data[offset:offset + length]))
+                fixed.writes[names] = tuple(write(live, fixed.data[offset:offset + length])
                                             for live, offset, length in self._fixed_ranges[names])
             writes.extend(fixed.writes[names])
             copied += sum(length for _, _, length in self._fixed_ranges[names])
@@ -162,8 +169,8 @@ class LiveCopier:
         self.rows.fixed_id = None if kv_only else fixed.id
         return copied
 
-    def _row_writes(self, name: str, segments: tuple[Segment, ...], start: int, writes: list) -> None:
-        """The (live, capsule) views of the capsule rows from ``start`` on, for the live KV buffer ``name``."""
+    def _row_writes(self, name: str, segments: tuple[Segment, ...], start: int, writes: list[Write]) -> None:
+        """The writes of the capsule rows from ``start`` on into the live KV buffer ``name``."""
         spec = self.arena.specs[name]
         for block, lo, hi in segments:
             lo = max(lo, start)
@@ -171,5 +178,5 @@ class LiveCopier:
                 if (lo, hi) not in block.writes:
                     live = self.arena.storage[spec.offset + lo * spec.row_bytes:spec.offset + hi * spec.row_bytes]
                     src = block.data[(lo - block.start) * spec.row_bytes:(hi - block.start) * spec.row_bytes]
-                    block.writes[lo, hi] = (_words(live), _words(src))
+                    block.writes[lo, hi] = write(live, src)
                 writes.append(block.writes[lo, hi])
