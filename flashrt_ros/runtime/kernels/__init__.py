@@ -26,9 +26,9 @@ from .norms import (add_rms_norm, add_rms_norm_triton, gated_rms_norm, gated_rms
                     rms_norm_triton)
 from .rope import apply_rope, qk_norm_rope_kv_write, qk_norm_rope_kv_write_triton
 
-__all__ = ["CHOICES", "DENSE_GEMV_CHOICES", "KernelSet", "REFERENCE", "TRITON", "apply_mask", "apply_rope", "attention_causal",
-           "attention_masked", "causal_conv", "delta_rule_chunked", "delta_rule_fla", "delta_rule_recurrent",
-           "fla_available", "gated_rms_norm", "l2norm", "output_gate", "rms_norm", "select"]
+__all__ = ["CHOICES", "DENSE_GEMV_CHOICES", "KernelSet", "REFERENCE", "TRITON", "apply_mask", "apply_rope",
+           "attention_causal", "attention_masked", "causal_conv", "delta_rule_chunked", "delta_rule_fla",
+           "delta_rule_recurrent", "fla_available", "gated_rms_norm", "l2norm", "output_gate", "rms_norm", "select"]
 
 
 @dataclasses.dataclass(frozen=True)
