@@ -259,6 +259,22 @@ def test_host_tier_comes_first_while_it_has_room_then_disk(tmp_path, monkeypatch
     assert_live_is(engine, full["a"])
 
 
+def test_a_drop_frees_exactly_its_own_bytes_on_its_tier_and_the_budget_follows(tmp_path, monkeypatch):
+    """What a drop reports: a host-tier capsule its host copy, a disk-tier one nothing in memory, a device one its
+    blocks; the device budget's used bytes (kept as blocks come and go) fall by exactly the device capsule's."""
+    monkeypatch.setattr(PlatformReport, "pinned_host_tier", property(lambda self: True))
+    size = make().arena.live_nbytes(110)
+    engine = lru_engine(tmp_path, capsule_budget_bytes=room_for(1.5), capsule_host_budget_bytes=size)
+    separate_capsules(engine, "abc")
+    engine.tiers.drain()
+    assert [engine.store.get(i).tier for i in "abc"] == ["host", "disk", "device"]
+    used = engine.capsule_bytes_used
+    assert engine.drop("a") == size and engine.stats()["capsule_host_bytes"] == 0
+    assert engine.drop("b") == 0
+    assert engine.capsule_bytes_used == used == size
+    assert engine.drop("c") == size and engine.capsule_bytes_used == 0
+
+
 def test_a_background_spill_frees_the_device_at_once_and_lands_on_disk(tmp_path):
     engine = make(capsule_dir=str(tmp_path))
     full = separate_capsules(engine, "a")

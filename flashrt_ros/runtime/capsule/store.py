@@ -33,6 +33,9 @@ class CapsuleStore:
         self._parents: dict[str, str] = {}
         self._counter = 0
         self._blocks: dict[int, Block] = {}     # every block some stored capsule holds, by id
+        # used_bytes' two sums, kept as blocks and capsules come and go: read on every snapshot, fork and eviction
+        # check, a sum over the store would cost each of them time in proportion to the capsules stored
+        self._block_bytes = self._label_bytes = 0
         self._clock = itertools.count(1)
 
     def __contains__(self, capsule_id: str) -> bool:
@@ -84,8 +87,7 @@ class CapsuleStore:
     @property
     def used_bytes(self) -> int:
         """The device tier's bytes: every held block once, plus every capsule's label."""
-        return (sum(b.nbytes for b in self._blocks.values())
-                + sum(label_nbytes(c.info.label) for c in self._capsules.values()))
+        return self._block_bytes + self._label_bytes
 
     def check_room(self, nbytes: int, label: str = "") -> None:
         """Refuse unless ``nbytes`` more device bytes and a capsule with this label fit in the budget."""
@@ -105,6 +107,7 @@ class CapsuleStore:
         it descends from, or ""."""
         self.check_room(self.added_bytes(capsule), capsule.info.label)
         self._capsules[capsule.info.id] = capsule
+        self._label_bytes += label_nbytes(capsule.info.label)
         self._parents[capsule.info.id] = lineage_parent if lineage_parent in self._capsules else ""
         numbered = _AUTO_ID.fullmatch(capsule.info.id)
         if numbered:   # ids given explicitly (e.g. by a bag replay) move the numbering on, as when picked here
@@ -123,7 +126,9 @@ class CapsuleStore:
         for segs in rows.values():
             for block, _, _ in segs:
                 block.refs += 1
-                self._blocks[block.id] = block
+                if block.id not in self._blocks:
+                    self._blocks[block.id] = block
+                    self._block_bytes += block.nbytes
 
     def release(self, stored: StoredCapsule) -> None:
         """Let go of the capsule's segments; blocks nobody else holds are freed."""
@@ -132,6 +137,7 @@ class CapsuleStore:
                 block.refs -= 1
                 if not block.refs:
                     del self._blocks[block.id]
+                    self._block_bytes -= block.nbytes
         stored.rows = {}
 
     def eviction(self, need: int, keep) -> list[StoredCapsule] | None:
@@ -159,15 +165,16 @@ class CapsuleStore:
         """Remove a capsule; returns the bytes freed (its blocks no other capsule holds) and its nearest stored
         ancestor."""
         stored = self.get(capsule_id)
-        before = self.used_bytes + self.host_bytes
+        before = self.used_bytes + (stored.host.numel() if stored.host is not None else 0)   # its host copy, if any
         del self._capsules[capsule_id]
+        self._label_bytes -= label_nbytes(stored.info.label)
         parent = self._parents.pop(capsule_id)
         for child, ancestor in self._parents.items():
             if ancestor == capsule_id:
                 self._parents[child] = parent
         self.release(stored)
         stored.host = None
-        return before - self.used_bytes - self.host_bytes, parent
+        return before - self.used_bytes, parent
 
     def touch(self, capsule_id: str) -> None:
         self.get(capsule_id).last_used = next(self._clock)
