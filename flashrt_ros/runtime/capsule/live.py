@@ -172,11 +172,15 @@ class LiveCopier:
     def _row_writes(self, name: str, segments: tuple[Segment, ...], start: int, writes: list[Write]) -> None:
         """The writes of the capsule rows from ``start`` on into the live KV buffer ``name``."""
         spec = self.arena.specs[name]
-        for block, lo, hi in segments:
-            lo = max(lo, start)
-            if lo < hi:
-                if (lo, hi) not in block.writes:
-                    live = self.arena.storage[spec.offset + lo * spec.row_bytes:spec.offset + hi * spec.row_bytes]
-                    src = block.data[(lo - block.start) * spec.row_bytes:(hi - block.start) * spec.row_bytes]
-                    block.writes[lo, hi] = write(live, src)
-                writes.append(block.writes[lo, hi])
+        for block, first, hi in segments:
+            lo = max(first, start)
+            if lo >= hi:
+                continue
+            cached = block.writes.get((lo, hi))
+            if cached is None:
+                row = spec.row_bytes
+                cached = write(self.arena.storage[spec.offset + lo * row:spec.offset + hi * row],
+                               block.data[(lo - block.start) * row:(hi - block.start) * row])
+                if lo == first:       # a whole segment (a sibling's rows, a full restore): kept; a part after a
+                    block.writes[lo, hi] = cached    # rollback starts anywhere, and caching it would grow the block
+            writes.append(cached)
