@@ -39,17 +39,22 @@ def ros2_daemon_stopped():
     subprocess.run([str(ROS2), "daemon", "stop"], env=ENV, capture_output=True, timeout=30)
 
 
+# what ros2cli answers when it found no node, or no service of it, in the graph yet
+NOT_FOUND = ("Node not found", "Wait for service timed out")
+
+
 def ros2(*args: str, timeout: float = 60.0, find_timeout: float = 30.0) -> str:
-    """Run `ros2 ARGS...`; its stdout and stderr together (it must exit 0). Asked again while it answers "Node
-    not found": the verbs that take a node (`param`, `lifecycle`) look it up in the daemon's graph, which can lag
-    behind, or briefly lose, a node it listed a moment before on a loaded machine (seen in CI for both verbs); a
-    call that found no node did nothing, so asking again is safe. Anything else it answers, and a node still
-    missing after ``find_timeout`` s, fail."""
+    """Run `ros2 ARGS...`; its stdout and stderr together (it must exit 0). Asked again while it answers that it
+    did not find the node or its service: the verbs that take a node (`param`, `lifecycle`) look it up in the
+    daemon's graph, which can lag behind, or briefly lose, a node it listed a moment before on a loaded machine,
+    and `param set` then waits a few seconds for the node's parameter services (both seen in CI); a call that found
+    no node or service did nothing, so asking again is safe. Anything else it answers, and a node still missing
+    after ``find_timeout`` s, fail."""
     deadline = time.monotonic() + find_timeout
     while True:
         done = subprocess.run([str(ROS2), *args], env=ENV, capture_output=True, text=True, timeout=timeout)
         output = done.stdout + done.stderr
-        if done.returncode == 0 or "Node not found" not in output or time.monotonic() > deadline:
+        if done.returncode == 0 or not any(m in output for m in NOT_FOUND) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert done.returncode == 0, f"ros2 {' '.join(args)} exited {done.returncode}:\n{output}"
