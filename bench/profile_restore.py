@@ -6,13 +6,13 @@ operations by self time (torch.profiler: aten ops and CUDA runtime calls) and th
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flashrt_ros.runtime import Engine, EngineConfig
 from flashrt_ros.tools.bench_capsules import build_tree
+from flashrt_ros.tools.timing import timed
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-0.8b"
 context = int(sys.argv[2]) if len(sys.argv) > 2 else 16384
@@ -27,16 +27,9 @@ ids = build_tree(engine, context, branches, branch_tokens)
 
 
 def siblings(count: int) -> float:
-    """Restore ``count`` siblings in turn; the mean wall milliseconds of one, synchronised at the end."""
+    """Restore ``count`` siblings in turn; the mean wall milliseconds of one, synchronised before and after."""
     engine.restore(ids[0])
-    if device == "cuda":
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    for n in range(count):
-        engine.restore(ids[(n + 1) % len(ids)])
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return 1000.0 * (time.perf_counter() - started) / count
+    return timed(engine.device, lambda: [engine.restore(ids[(n + 1) % len(ids)]) for n in range(count)])[1] / count
 
 
 siblings(restores)   # warm

@@ -1,14 +1,14 @@
 """Does a capsule operation cost more when more capsules are stored? A diagnostic run:
 ``python3 bench/store_scaling.py [PRESET] [DEVICE] [COUNTS]`` stores COUNTS capsules (comma-separated, e.g.
 10,100,1000) of one stream in turn and prints, for each count, the mean wall milliseconds of a snapshot and of a drop
-with that many capsules stored (synchronised at the end of each batch). The store's budget check is read on every
+with that many capsules stored (synchronised around each batch). The store's budget check is read on every
 snapshot and fork, so its cost must not grow with the count."""
 import sys
-import time
 
 import torch
 
 from flashrt_ros.runtime import Engine, EngineConfig
+from flashrt_ros.tools.timing import timed
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "tiny"
 device = sys.argv[2] if len(sys.argv) > 2 else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -21,13 +21,8 @@ engine.ingest([1 + i % (engine.vocab_size - 1) for i in range(512)])
 
 
 def timed_batch(operation) -> float:
-    """Mean wall milliseconds of BATCH calls of ``operation(i)``, synchronised at the end."""
-    started = time.perf_counter()
-    for i in range(BATCH):
-        operation(i)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return 1000.0 * (time.perf_counter() - started) / BATCH
+    """Mean wall milliseconds of BATCH calls of ``operation(i)``, synchronised before and after."""
+    return timed(engine.device, lambda: [operation(i) for i in range(BATCH)])[1] / BATCH
 
 
 stored = 0

@@ -164,7 +164,7 @@ def _attention_combine_kernel(acc_ptr, max_ptr, sum_ptr, pos_ptr, gate_ptr, gate
         acc += tl.sum(weights[:, None] * partial, axis=0)
     out = round_like(acc / total, out_ptr)
     gate = tl.load(gate_ptr + row * gate_row + head * gate_head + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    out = round_like(out * round_like(1.0 / (1.0 + tl.exp(-gate)), out_ptr), out_ptr)
+    out = round_like(out * round_like(tl.sigmoid(gate), out_ptr), out_ptr)
     tl.store(out_ptr + (row * heads + head) * dim + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
