@@ -3,7 +3,8 @@
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
 # capsules | load | gemv | vision | constraint | spec | spec-27b (DENSE_GEMV: cublas or triton for the last three; spec takes
 # SPEC_MODEL, SPEC_VOCABS, spec-27b SPEC_ACCEPTANCE); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
-# PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips))
+# PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, PROFILE_DENSE_GEMV, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips)
+# and GEMV_SPEC (0 skips its bench-spec runs))
 # Every phase keeps its whole log under $OUT/<card>_<commit>/ (the device tool returns only the output's tail).
 # The wheels in .whl, where there are any (what the machine lacks: fla-core 0.6.0 and einops, llguidance 1.9.1; `pip download
 # --no-deps` them here), are installed first.
@@ -111,7 +112,7 @@ for phase in "$@"; do
           --contexts 2048,16384 --repeats 5 --decode-tokens 64 --dense-gemv-paths cublas,triton --decode-only \
           --out "$OUT/gemv_decode_0.8b.json" > "$OUT/gemv_decode_0.8b.log" 2>&1
       echo "bench decode rc=$?"; grep -v -i warn "$OUT/gemv_decode_0.8b.log" | grep "^|"
-      for path in cublas triton; do
+      for path in $([ "${GEMV_SPEC:-1}" = 1 ] && echo cublas triton); do
         spec_run 100 "gemv_spec_0.8b_$path" "$path" --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
             --kernels triton --dense-gemv $path --drafts 0,1,2,3,4 --prompts 2 --context 1024 --decode-tokens 64 \
             --repeats 3 --assumed-acceptance 0.6
@@ -135,7 +136,7 @@ for phase in "$@"; do
       preset=${PROFILE_PRESET:-qwen3.5-0.8b}; format=${PROFILE_FORMAT:-dense}
       for context in ${PROFILE_CONTEXTS:-16384 8192}; do
         for drafts in ${PROFILE_DRAFTS:-0}; do
-          log="$OUT/profile_${preset}_${format}_${context}_d$drafts.txt"
+          log="$OUT/profile_${preset}_${format}_${context}_d${drafts}${PROFILE_DENSE_GEMV:+_$PROFILE_DENSE_GEMV}.txt"
           timeout "${BENCH_TIMEOUT_S:-540}" python3 bench/profile_step.py $preset $context 24 $format $drafts \
               ${PROFILE_DRAFT_VOCAB:-0} > "$log" 2>&1
           echo "profile $context drafts $drafts rc=$?"; grep -E " ms$|graphs" "$log"

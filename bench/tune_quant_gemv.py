@@ -8,8 +8,9 @@
 For each weight kind (fp8 per channel, fp8 with 128-wide block scales, nvfp4, or ``dense``: the model dtype's
 weights through :mod:`~flashrt_ros.runtime.kernels.dense_gemv`), each projection shape of the presets
 (after fusion, and the LM head) and each row count, every candidate configuration is timed inside CUDA graphs
-(``bench_quant._time_calls_us``) and its output checked against the reference (wrong ones are skipped and
-reported); beside them cuBLAS bf16 ``F.linear`` on the dense weights and the long-piece path (dequantise + cuBLAS).
+(``timing.time_calls_us``), cycling through copies of the weight so that each call reads it from device memory as a
+decode step does (``timing.cold_copies``: timed on one L2-resident weight, a kernel tuned for cache latency loses in
+the step), and its output checked against the reference (wrong ones are skipped and reported); beside them cuBLAS bf16 ``F.linear`` on the dense weights and the long-piece path (dequantise + cuBLAS).
 Per (kind, N, K, rows bucket) the fastest correct configuration over the bucket's row counts is chosen (dense has
 one bucket: its rows share one configuration, so one reduction order); per quantized kind, ``fused_max_rows`` is
 the largest row count up to which the fused GEMV beats dequantise + cuBLAS summed over the shapes. The JSON has every timing; ``--write-table`` writes the module ``quant_gemv_configs.py`` with this device's
@@ -37,13 +38,13 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from flashrt_ros.runtime import quant  # noqa: E402
-from flashrt_ros.tools.bench_quant import _time_calls_us  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import dense_gemv  # noqa: E402
 from flashrt_ros.runtime.kernels import quant_gemv as kq  # noqa: E402
 from flashrt_ros.runtime.kernels import quant_gemv_configs  # noqa: E402
 from flashrt_ros.runtime.model import Qwen35  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
+from flashrt_ros.tools.timing import cold_copies, time_calls_us  # noqa: E402
 
 ROWS = (1, 8, 16, 24, 32, 64)        # decode, the small-piece buckets up to SMALL_PIECE (model.py)
 FP8_BLOCK = 128                      # compressed-tensors' block-scaled FP8 checkpoints
@@ -62,8 +63,8 @@ def projection_shapes(preset: str) -> list[tuple[int, int]]:
 def candidates(kind: str, bucket: int) -> list[kq.GemvConfig]:
     """The configurations swept (splits resolved per shape by :func:`split_choices`)."""
     if kind == kq.DENSE:
-        return [kq.GemvConfig(bn, bk, w, 3) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
-                if bn * bk <= 8192]
+        return [kq.GemvConfig(bn, bk, w, s) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
+                for s in (3, 5) if bn * bk <= 8192]     # 5 stages: more weight bytes in flight from memory
     if bucket == 1:
         return [kq.GemvConfig(bn, bk, w, s) for bn in (16, 32, 64) for bk in (256, 512) for w in (4, 8)
                 for s in (1, 3)] + [kq.GemvConfig(bn, 1024, 8, 1) for bn in (16, 32, 64)]
@@ -114,15 +115,22 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
         got.float(), want.float(), rtol=TOLERANCE, atol=TOLERANCE * float(want.abs().max()))
 
 
-def _try(fused, x, tensors, config, want, device, repeats) -> dict:
-    """``us`` and ``correct`` of one candidate; one that does not compile on this device (too many registers or
-    too much shared memory for its tile) is recorded with its error and skipped, not the end of the sweep."""
+def _try(fused, x, copies, config, want, device, repeats) -> dict:
+    """``us`` and ``correct`` of one candidate (``copies``: the weight's tensors, once per copy timed in turn); one
+    that does not compile on this device (too many registers or too much shared memory for its tile) is recorded
+    with its error and skipped, not the end of the sweep."""
     try:
-        correct = _close(fused(x, *tensors, config=config), want)
+        correct = _close(fused(x, *copies[0], config=config), want)
     except triton.runtime.errors.OutOfResources as error:
         return {"us": None, "correct": False, "error": str(error)}
-    return {"us": _time_calls_us(device, lambda: fused(x, *tensors, config=config), repeats) if correct else None,
-            "correct": correct}
+    calls = [lambda c=c: fused(x, *c, config=config) for c in copies]
+    return {"us": time_calls_us(device, calls, repeats) if correct else None, "correct": correct}
+
+
+def weight_copies(device: torch.device, tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """``tensors`` and as many clones as :func:`cold_copies` asks for."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(cold_copies(device, nbytes) - 1)]
 
 
 def sweep(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.device, dtype: torch.dtype,
@@ -139,27 +147,29 @@ def sweep(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.de
             if kind == "fp8-block" and k % FP8_BLOCK:
                 continue
             weight = make_weight(kind, dense.float(), generator, dtype)
-            setup[kind, n, k] = (weight, x, _linears(weight)[1](x, *weight.tensors().values()))
+            copies = weight_copies(device, tuple(weight.tensors().values()))
+            setup[kind, n, k] = (weight, copies, x, _linears(weight)[1](x, *copies[0]))
+        dense_copies = weight_copies(device, (dense,))
         for r in rows:
-            baselines.append({"N": n, "K": k, "rows": r, "kind": "dense",
-                              "us": _time_calls_us(device, lambda: F.linear(x[:r], dense), repeats)})
-        del dense
+            baselines.append({"N": n, "K": k, "rows": r, "kind": "dense", "us": time_calls_us(
+                device, [lambda w=w: F.linear(x[:r], w) for w, in dense_copies], repeats)})
+        del dense, dense_copies
     for r in rows:
-        for (kind, n, k), (weight, x, want) in setup.items():
+        for (kind, n, k), (weight, copies, x, want) in setup.items():
             fused, _ = _linears(weight)
-            tensors = tuple(weight.tensors().values())
             xr = x[:r].contiguous()
             if kind != kq.DENSE:    # dense is measured against cuBLAS itself (the "dense" baselines)
-                baselines.append({"N": n, "K": k, "rows": r, "kind": f"{kind} dequantise+gemm", "us": _time_calls_us(
-                    device, lambda: F.linear(xr, kq.dequantize_triton(weight.q, weight.scale, weight.row_scale, dtype)),
-                    repeats)})
+                nvfp4 = weight.fmt == "nvfp4"
+                baselines.append({"N": n, "K": k, "rows": r, "kind": f"{kind} dequantise+gemm", "us": time_calls_us(
+                    device, [lambda c=c: F.linear(xr, kq.dequantize_triton(c[0], c[1], c[2] if nvfp4 else None, dtype))
+                             for c in copies], repeats)})
             for base in candidates_of(kind, kq.rows_bucket(r, kind)):
                 for config in split_choices(base, n, k, r, device, kind):
                     if time.perf_counter() - started > budget_s:
                         untuned.append({"kind": kind, "N": n, "K": k, "rows": r})
                         break
                     entries.append({"kind": kind, "N": n, "K": k, "rows": r, "config": list(config),
-                                    **_try(fused, xr, tensors, config, want[:r], device, repeats)})
+                                    **_try(fused, xr, copies, config, want[:r], device, repeats)})
                 else:
                     continue
                 break

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +26,11 @@ from flashrt_ros.runtime.model import Qwen35
 from flashrt_ros.runtime.vision.config import VISUAL
 
 from . import floors, ttft
-from .timing import release_engine_memory, timed
+from .timing import cold_copies, release_engine_memory, time_calls_us, timed
 from .verify import first_divergence, prompt_tokens
 
 THOR_BYTES_PER_S = 273e9
 EMBEDDING = "model.embed_tokens.weight"
-_KERNEL_CALLS_PER_SAMPLE = 20
 
 
 def weights_read_per_token(model: Qwen35) -> int:
@@ -62,22 +60,6 @@ def projected_bytes_per_token(cfg: ModelConfig, fmt: str, exclude: tuple[str, ..
     return total + quant.weight_bytes(head_fmt, cfg.vocab_size, cfg.hidden_size, dense_element_size)
 
 
-def _time_calls_us(device: torch.device, fn, repeats: int) -> float:
-    """Median microseconds per call of ``fn``; on CUDA over captured graphs of several calls (no launch gaps)."""
-    if device.type == "cuda":
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(_KERNEL_CALLS_PER_SAMPLE):
-                fn()
-        run, calls = graph.replay, _KERNEL_CALLS_PER_SAMPLE
-    else:
-        run, calls = fn, 1
-    run()
-    samples = [timed(device, run)[1] for _ in range(repeats)]
-    return 1000.0 * statistics.median(samples) / calls
-
-
 def projection_shapes(model: Qwen35) -> list[tuple[str, int, int]]:
     """(name, N, K) of each distinct projection shape of the dense text model, the LM head last."""
     seen, shapes = set(), []
@@ -91,7 +73,8 @@ def projection_shapes(model: Qwen35) -> list[tuple[str, int, int]]:
 def gemv_table(model: Qwen35, device: torch.device, dtype: torch.dtype, use_triton: bool, repeats: int) -> list:
     """Each projection shape at one row (decode): dense ``F.linear`` against the fp8 and nvfp4 GEMVs, in time and in
     error: ``*_rel_err`` is one layer's relative L2 error against the fp32 product of the same Gaussian weights and
-    input, the quantisation error itself (the end-to-end figures of random weights compound it through every layer)."""
+    input, the quantisation error itself (the end-to-end figures of random weights compound it through every layer).
+    Each timing cycles through copies of its weight, read from device memory as in a decode step (:func:`cold_copies`)."""
     rows = []
     generator = torch.Generator(device=device).manual_seed(0)
     for name, n, k in projection_shapes(model):
@@ -101,11 +84,15 @@ def gemv_table(model: Qwen35, device: torch.device, dtype: torch.dtype, use_trit
 
         def rel_err(y: torch.Tensor) -> float:
             return float((y.float() - exact).norm() / exact.norm())
-        row = {"shape": name, "N": n, "K": k, "dense_us": _time_calls_us(device, lambda: F.linear(x, w), repeats),
-               "dense_rel_err": rel_err(F.linear(x, w))}
+        dense = [w] + [w.clone() for _ in range(cold_copies(device, w.numel() * w.element_size()) - 1)]
+        row = {"shape": name, "N": n, "K": k, "dense_rel_err": rel_err(F.linear(x, w)),
+               "dense_us": time_calls_us(device, [lambda c=c: F.linear(x, c) for c in dense], repeats)}
+        del dense[1:]
         for fmt in ("fp8", "nvfp4"):
-            layer = quant.QuantLinear(quant.QUANTIZERS[fmt](w), use_triton)
-            row[f"{fmt}_us"] = _time_calls_us(device, lambda: layer(x), repeats)
+            layers = [quant.QuantLinear(quant.QUANTIZERS[fmt](w), use_triton)
+                      for _ in range(cold_copies(device, quant.weight_bytes(fmt, n, k, 0)))]
+            layer = layers[0]
+            row[f"{fmt}_us"] = time_calls_us(device, [lambda c=c: c(x) for c in layers], repeats)
             row[f"{fmt}_speedup"] = row["dense_us"] / row[f"{fmt}_us"]
             row[f"{fmt}_GBps"] = quant.weight_bytes(fmt, n, k, 0) / row[f"{fmt}_us"] / 1000.0
             row[f"{fmt}_rel_err"] = rel_err(layer(x))

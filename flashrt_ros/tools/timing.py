@@ -1,14 +1,19 @@
-"""Host wall-clock timing of device work, synchronised before and after: the time a caller waits; and freeing an
-engine's device memory between the engines of one benchmark."""
+"""Host wall-clock timing of device work, synchronised before and after: the time a caller waits; one kernel's time
+per call with its weights read from device memory, as a decode step reads them; and freeing an engine's device memory
+between the engines of one benchmark."""
 from __future__ import annotations
 
 import gc
+import statistics
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 T = TypeVar("T")
+
+KERNEL_CALLS_PER_SAMPLE = 20         # calls captured in one CUDA graph per timing sample (at least)
+COLD_L2_MULTIPLE = 2                 # the weights cycled through in a kernel timing: this many L2 caches' worth
 
 
 def sync(device: torch.device) -> None:
@@ -52,3 +57,37 @@ def timed_split(device: torch.device, fn: Callable[[], T]) -> tuple[T, dict]:
     sync(device)
     wall = 1000.0 * (time.perf_counter() - started)
     return result, {"wall": wall, "host": host, "device": events[0].elapsed_time(events[1]) if cuda else host}
+
+
+def cold_copies(device: torch.device, nbytes: int) -> int:
+    """How many copies of ``nbytes`` of weights a kernel timing cycles through so that each call reads its weights
+    from device memory: a decode step's projections together are far larger than the L2 cache, so none finds its
+    weights there, while a kernel timed on one weight again and again does (a 7 MB projection of the 0.8B fits an
+    H100's 50 MB L2) and measures a speed no decode step sees. One on the CPU."""
+    if device.type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, -(-COLD_L2_MULTIPLE * l2 // max(1, nbytes)))
+
+
+def time_calls_us(device: torch.device, calls: Sequence[Callable[[], object]], repeats: int) -> float:
+    """Median microseconds per call of ``calls`` taken in turn (one per weight copy, :func:`cold_copies`); on CUDA
+    over captured graphs of at least :data:`KERNEL_CALLS_PER_SAMPLE` calls (no launch gaps)."""
+    calls = list(calls)
+    if device.type == "cuda":
+        count = max(KERNEL_CALLS_PER_SAMPLE, len(calls))
+        calls[0]()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(count):
+                calls[i % len(calls)]()
+        run = graph.replay
+    else:
+        count = len(calls)
+
+        def run():
+            for call in calls:
+                call()
+    run()
+    samples = [timed(device, run)[1] for _ in range(repeats)]
+    return 1000.0 * statistics.median(samples) / count

@@ -588,7 +588,7 @@ def test_a_decode_only_sweep_replaces_its_keys_and_keeps_the_rest_of_the_entry()
 def test_a_candidate_that_does_not_fit_the_device_is_recorded_as_an_error_and_never_chosen():
     def too_big(x, *tensors, config):
         raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
-    result = tune._try(too_big, torch.zeros(1, 8), (), kq.GemvConfig(64, 1024, 8, 3), None, torch.device("cpu"), 1)
+    result = tune._try(too_big, torch.zeros(1, 8), [()], kq.GemvConfig(64, 1024, 8, 3), None, torch.device("cpu"), 1)
     assert result["us"] is None and not result["correct"] and "shared memory" in result["error"]
     entries = [{"kind": "fp8", "N": 8, "K": 8, "rows": 1, "config": [64, 1024, 8, 3], **result},
                _timing("fp8", 8, 8, 1, kq.GemvConfig(16, 128, 4, 1), 3.0)]
