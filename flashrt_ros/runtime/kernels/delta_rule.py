@@ -189,7 +189,10 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
         real = tl.minimum(tl.load(count_ptr).to(tl.int32), length)
     # Row t + 1's inputs are loaded while row t computes (they do not depend on the state), so the serial chain per
     # row is the state's arithmetic alone. The l2-norms scale the reductions' results instead of q and k first: the
-    # norms and the reductions over the state then run side by side.
+    # norms and the reductions over the state then run side by side. Both reductions read the state before the row's
+    # update, as one reduction over q and k side by side (one pass across the warps, where two would each wait at a
+    # barrier): with decay d, k' = k * k_scale and delta = (v - d k'.S) beta, the output q'.(d S + k' delta) is
+    # d q'.S + (q'.k') delta.
     qn, kn, vn, an, bn = _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row,
                                      a_head, b_ptr, b_row, b_head, 0, head, key_head, keys, cols, key_mask, col_mask)
     for t in range(0, real):
@@ -202,10 +205,11 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
         beta = round_like(tl.sigmoid(bt), b_ptr)
         q_scale = tl.rsqrt(tl.sum(qt * qt, axis=0) + eps) * scale
         k_scale = tl.rsqrt(tl.sum(kt * kt, axis=0) + eps)
-        s = s * tl.exp(neg_a * softplus)
-        delta = (vt - tl.sum(kt[:, None] * s, axis=0) * k_scale) * beta
-        s = s + (kt * k_scale)[:, None] * delta[None, :]
-        out = tl.sum(qt[:, None] * s, axis=0) * q_scale
+        decay = tl.exp(neg_a * softplus)
+        qs, ks = tl.split(tl.sum(tl.join(qt, kt)[:, None, :] * s[:, :, None], axis=0))
+        delta = (vt - decay * ks * k_scale) * beta
+        s = s * decay + (kt * k_scale)[:, None] * delta[None, :]
+        out = (decay * qs + tl.sum(qt * kt, axis=0) * k_scale * delta) * q_scale
         tl.store(out_ptrs + t * out_row, round_like(out, out_ptr).to(out_ptr.dtype.element_ty), mask=col_mask)
         if STORE_ROWS:
             tl.store(rows_ptr + t * rows_row + s_offsets, s, mask=s_mask)
