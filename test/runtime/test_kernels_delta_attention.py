@@ -125,6 +125,18 @@ def test_gated_delta_rule_triton_matches_reference_and_float64(layout, length, d
     assert errors["ref_state"] <= REFERENCE_STATE_TOLERANCE, errors
 
 
+@needs_triton
+@pytest.mark.parametrize("joint", [True, False], ids=["joint", "two-reductions"])
+def test_gated_delta_rule_triton_takes_either_reduction_order_within_tolerance(joint, monkeypatch):
+    """The state block size picks one joint reduction over q and k or two in turn (SMALL_STATE_BLOCK); both match
+    float64 over a multi-row piece, whatever block the layout would give."""
+    monkeypatch.setattr(delta_rule, "SMALL_STATE_BLOCK", 1 << 30 if joint else 0)
+    inputs, arena = gdn_inputs(9, GDN_LAYOUTS["tiny"], torch.float32, seed=seed_of("joint", joint))
+    want, want_state = gdn_float64(*inputs, arena.state)
+    out = delta_rule.gated_delta_rule_triton(*inputs, arena.state)
+    assert rel(out, want) <= TOLERANCE[torch.float32] and rel(arena.state, want_state) <= STATE_TOLERANCE
+
+
 def poison_rows(inputs, count):
     """The same inputs with every row >= count replaced by NaN (the padding of a bucket may hold anything)."""
     poisoned = []

@@ -167,7 +167,7 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
                              a_ptr, a_row, a_head, b_ptr, b_row, b_head, a_log_ptr, dt_bias_ptr,
                              s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, rows_ptr, rows_row, length, dk, dv,
                              scale, eps, GROUPS: tl.constexpr, HAS_COUNT: tl.constexpr, STORE_ROWS: tl.constexpr,
-                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                             JOINT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per (value head, block of BLOCK_V value columns): the [dk, BLOCK_V] fp32 state block stays in
     registers over all real rows (read once, written once); padding rows only get zero outputs. With STORE_ROWS the
     state after row t goes to ``rows_ptr + t * rows_row`` (laid out as the state) instead, and the state is only
@@ -189,10 +189,11 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
         real = tl.minimum(tl.load(count_ptr).to(tl.int32), length)
     # Row t + 1's inputs are loaded while row t computes (they do not depend on the state), so the serial chain per
     # row is the state's arithmetic alone. The l2-norms scale the reductions' results instead of q and k first: the
-    # norms and the reductions over the state then run side by side. Both reductions read the state before the row's
-    # update, as one reduction over q and k side by side (one pass across the warps, where two would each wait at a
-    # barrier): with decay d, k' = k * k_scale and delta = (v - d k'.S) beta, the output q'.(d S + k' delta) is
-    # d q'.S + (q'.k') delta.
+    # norms and the reductions over the state then run side by side. JOINT: both reductions read the state before
+    # the row's update, as one reduction over q and k side by side (one pass across the warps, where two would each
+    # wait at a barrier): with decay d, k' = k * k_scale and delta = (v - d k'.S) beta, the output q'.(d S + k' delta)
+    # is d q'.S + (q'.k') delta. It doubles the product's registers, so only small state blocks take it (see
+    # SMALL_STATE_BLOCK).
     qn, kn, vn, an, bn = _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row,
                                      a_head, b_ptr, b_row, b_head, 0, head, key_head, keys, cols, key_mask, col_mask)
     for t in range(0, real):
@@ -206,10 +207,16 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
         q_scale = tl.rsqrt(tl.sum(qt * qt, axis=0) + eps) * scale
         k_scale = tl.rsqrt(tl.sum(kt * kt, axis=0) + eps)
         decay = tl.exp(neg_a * softplus)
-        qs, ks = tl.split(tl.sum(tl.join(qt, kt)[:, None, :] * s[:, :, None], axis=0))
-        delta = (vt - decay * ks * k_scale) * beta
-        s = s * decay + (kt * k_scale)[:, None] * delta[None, :]
-        out = (decay * qs + tl.sum(qt * kt, axis=0) * k_scale * delta) * q_scale
+        if JOINT:
+            qs, ks = tl.split(tl.sum(tl.join(qt, kt)[:, None, :] * s[:, :, None], axis=0))
+            delta = (vt - decay * ks * k_scale) * beta
+            s = s * decay + (kt * k_scale)[:, None] * delta[None, :]
+            out = (decay * qs + tl.sum(qt * kt, axis=0) * k_scale * delta) * q_scale
+        else:
+            s = s * decay
+            delta = (vt - tl.sum(kt[:, None] * s, axis=0) * k_scale) * beta
+            s = s + (kt * k_scale)[:, None] * delta[None, :]
+            out = tl.sum(qt[:, None] * s, axis=0) * q_scale
         tl.store(out_ptrs + t * out_row, round_like(out, out_ptr).to(out_ptr.dtype.element_ty), mask=col_mask)
         if STORE_ROWS:
             tl.store(rows_ptr + t * rows_row + s_offsets, s, mask=s_mask)
@@ -217,6 +224,13 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
         tl.store(out_ptrs + t * out_row, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty), mask=col_mask)
     if not STORE_ROWS:
         tl.store(s_ptrs, s, mask=s_mask)
+
+
+# State elements per program up to which 4 warps hold the block and the joint reduction's product without spilling
+# (at dk 128). On an H100 (bench/time_delta_rule.py, h100_8fe1adb/delta_rule_ab.txt) the joint reduction took the
+# 0.8B's 128 x 16 blocks from 1.17 to 0.99 us a row of a 24-row piece; on the 27B's 128 x 32 blocks (8 warps) it went
+# from 2.09 to 2.54 us, so those keep the two reductions.
+SMALL_STATE_BLOCK = 2048
 
 
 def _value_block(v_heads: int, dv: int) -> int:
@@ -278,6 +292,7 @@ def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, ro
     require(state.shape == (v_heads, dk, dv), op, f"state must be {(v_heads, dk, dv)}, got {tuple(state.shape)}")
     out = torch.empty(length, v_heads, dv, dtype=v.dtype, device=v.device)
     block_k, block_v = triton.next_power_of_2(dk), _value_block(v_heads, dv)
+    small = block_k * block_v <= SMALL_STATE_BLOCK
     grid = (v_heads, triton.cdiv(dv, block_v))
     _gated_delta_rule_kernel[grid](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
@@ -285,5 +300,5 @@ def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, ro
         state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count,
         state if rows is None else rows, 0 if rows is None else rows.stride(0), length, dk, dv, dk ** -0.5, 1e-6,
         GROUPS=v_heads // k_heads, HAS_COUNT=count is not None, STORE_ROWS=rows is not None,
-        BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4 if block_k * block_v <= 2048 else 8)  # no spills at dk 128
+        JOINT=small, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4 if small else 8)
     return out
