@@ -97,7 +97,8 @@ for phase in "$@"; do
           --acceptance-from "${SPEC_ACCEPTANCE:-$OUT/bench_spec_trained.json}"
       grep -i "error" "$OUT/bench_spec_qwen3.6-27b_vocab32768.log" | tail -3
       ;;
-    gemv)  # the dense GEMV of decode and verify: tune it (rows 1..5, 0.8B then 27B shapes), then cuBLAS vs it on 0.8B
+    gemv)  # the dense GEMV of decode and verify: tune it (rows 1..5, 0.8B then 27B shapes), time each of its fusions
+           # against the cuBLAS path's launches, then cuBLAS vs it in the 0.8B decode step
       gemv_tune() {  # presets budget_s name
         [ "$2" = 0 ] && return
         timeout $(( $2 + 60 )) python3 bench/tune_quant_gemv.py --kinds dense --rows 1,2,3,4,5 --presets "$1" --budget-s "$2" \
@@ -108,6 +109,8 @@ for phase in "$@"; do
       timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_kernels_dense_gemv.py \
           > "$OUT/gemv_pytest.log" 2>&1; echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gemv_pytest.log" | tail -8
       gemv_tune qwen3.5-0.8b "${GEMV_TUNE_S:-90}" 0.8b
+      timeout 120 python3 bench/gemv_fusions.py qwen3.5-0.8b --out "$OUT/gemv_fusions_0.8b.json" > "$OUT/gemv_fusions_0.8b.log" 2>&1
+      echo "gemv fusions rc=$?"; grep -v -i warn "$OUT/gemv_fusions_0.8b.log" | tail -24
       timeout 120 python3 -m flashrt_ros.tools bench --model qwen3.5-0.8b --device cuda --dtype bfloat16 --kernels triton \
           --contexts 2048,16384 --repeats 5 --decode-tokens 64 --dense-gemv-paths cublas,triton --decode-only \
           --out "$OUT/gemv_decode_0.8b.json" > "$OUT/gemv_decode_0.8b.log" 2>&1

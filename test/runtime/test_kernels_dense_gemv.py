@@ -192,3 +192,17 @@ def test_gpu_dense_gemv_matches_its_reference_at_the_08b_shapes_and_replays_bit_
             torch.cuda.synchronize()
             assert_same_bytes(f"replay {n}x{k} rows {rows}", captured, eager)
             assert kq._arrival_tensor(x.device).count_nonzero() == 0
+
+
+@pytest.mark.parametrize("fusion", bench_scripts.load("gemv_fusions").FUSIONS)
+def test_the_fusion_diagnostic_times_the_same_product_both_ways(fusion):
+    """bench/gemv_fusions.py compares each fused call with the cuBLAS path's launches for the same result."""
+    fusions, g_ = bench_scripts.load("gemv_fusions"), gen("diagnostic", fusion)
+    n, k = 40, 96
+    w = torch.randn(n, k, generator=g_).to(DEVICE)
+    x, gate_up, residual = (torch.randn(1, width, generator=g_).to(DEVICE) for width in (k, 2 * k, n))
+    scale = 1.0 + 0.1 * torch.randn(k, generator=g_).to(DEVICE)
+    fused, unfused = fusions.fused_and_unfused(fusion, x, gate_up, scale, residual)
+    got, want = fused(w), unfused(w)
+    assert got.shape == want.shape == (1, n)
+    assert (got - want).abs().max() <= TOLERANCE[torch.float32] * want.abs().max(), describe(got, want)

@@ -10,12 +10,12 @@ splits); ``fused_max_rows``: weight kind -> the most rows that take the fused GE
 
 DEFAULT_FUSED_MAX_ROWS = 16         # devices the table does not list: decode and the short suffix buckets
 
-TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'configs': {('dense', 1024, 2048, 16): (16, 128, 4, 3, 1),
-                                       ('dense', 1024, 3584, 16): (16, 128, 4, 3, 4),
-                                       ('dense', 5120, 1024, 16): (64, 128, 4, 3, 1),
-                                       ('dense', 7168, 1024, 16): (64, 128, 4, 3, 1),
-                                       ('dense', 8224, 1024, 16): (64, 128, 4, 3, 1),
-                                       ('dense', 248320, 1024, 16): (64, 128, 4, 3, 1)},
+TABLE: dict[str, dict] = {'NVIDIA H100 80GB HBM3': {'configs': {('dense', 1024, 2048, 16): (16, 128, 4, 5, 1),
+                                       ('dense', 1024, 3584, 16): (16, 128, 4, 5, 4),
+                                       ('dense', 5120, 1024, 16): (64, 128, 4, 5, 1),
+                                       ('dense', 7168, 1024, 16): (64, 128, 4, 5, 1),
+                                       ('dense', 8224, 1024, 16): (64, 128, 4, 5, 1),
+                                       ('dense', 248320, 1024, 16): (32, 256, 4, 3, 1)},
                            'fused_max_rows': {}},
  'NVIDIA H200': {'configs': {('fp8', 1024, 2048, 1): (16, 1024, 8, 1, 1),
                              ('fp8', 1024, 3584, 1): (16, 1024, 8, 1, 1),
