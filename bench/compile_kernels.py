@@ -53,13 +53,13 @@ from flashrt_ros.runtime import kernels as kernel_sets  # noqa: E402
 from flashrt_ros.runtime.arena import Arena, buffer_specs  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.engine import _MIN_KV_BUCKET, EngineConfig  # noqa: E402
-from flashrt_ros.runtime.kernels import (activations, attention, conv, delta_rule, norms, quant_gemv,  # noqa: E402
-                                         rope)
+from flashrt_ros.runtime.kernels import (activations, attention, conv, delta_rule, dense_gemv, norms,  # noqa: E402
+                                         pick, quant_gemv, rope)
 from flashrt_ros.runtime.model import PIECE_BUCKET, SMALL_PIECE, Qwen35, StepRows  # noqa: E402
 from flashrt_ros.runtime.speculative import STEP_ROWS, RowStates  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
 
-KERNEL_MODULES = (activations, attention, conv, delta_rule, norms, quant_gemv, rope)
+KERNEL_MODULES = (activations, attention, conv, delta_rule, dense_gemv, norms, pick, quant_gemv, rope)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 GEMV_ROWS = (1, 8, 24, 40, quant_gemv.GEMV_MAX_ROWS)     # BLOCK_L 1, 16, 32, 64 (and several row blocks)
 FP8_BLOCK = 128                                            # compressed-tensors' block-scaled FP8 checkpoints
@@ -187,6 +187,27 @@ def record_quant(recorder: _Recorder, preset: str, dtype: torch.dtype) -> None:
             quant_gemv.dequantize_triton(tensors[0], tensors[1], tensors[2] if fmt == "nvfp4" else None, dtype)
 
 
+def record_step(recorder: _Recorder, preset: str, dtype: torch.dtype) -> None:
+    """What a decode or verify step launches besides the forward: the greedy pick over the vocabulary (one row, a
+    verify's rows), and (``dense_gemv: triton``) the dense GEMV of every projection shape with each of its fusions."""
+    vocab = PRESETS[preset].vocab_size
+    for rows in (1, STEP_ROWS):
+        recorder.origin = f"{preset}/{dtype} greedy pick {rows}x{vocab}"
+        pick.greedy_pick_triton(torch.empty(rows, vocab), torch.empty(rows, -(-vocab // 32), dtype=torch.int32), ())
+    for n, k in sorted(projection_shapes(preset)):
+        weight = torch.empty(n, k, dtype=dtype)
+        for rows in (1, dense_gemv.MAX_ROWS):
+            x, gate_up = torch.empty(rows, k, dtype=dtype), torch.empty(rows, 2 * k, dtype=dtype)
+            for fusion, call in (
+                    ("plain", lambda: dense_gemv.dense_linear_triton(x, weight)),
+                    ("norm", lambda: dense_gemv.dense_linear_triton(x, weight, torch.empty(k), 1e-6)),
+                    ("gated", lambda: dense_gemv.dense_linear_triton(gate_up, weight, gated=True)),
+                    ("residual", lambda: dense_gemv.dense_linear_triton(
+                        x, weight, residual=torch.empty(rows, n, dtype=dtype)))):
+                recorder.origin = f"{preset}/{dtype} dense GEMV {rows}x{k} -> {n}, {fusion}"
+                call()
+
+
 def _compile_key(launch: Launch, backend) -> tuple:
     """Triton's own binding of the recorded launch for ``backend``: the ASTSource inputs and the options."""
     kernel, kwargs = launch.kernel, dict(launch.kwargs, debug=False)
@@ -256,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         for preset in args.presets.split(","):
             for dtype in (DTYPES[d] for d in args.dtypes.split(",")):
                 record_model(recorder, preset, dtype, args.max_context, [int(p) for p in args.pieces.split(",")])
+                record_step(recorder, preset, dtype)
                 if not args.no_quant:
                     record_quant(recorder, preset, dtype)
     print(f"triton {triton.__version__}, torch {torch.__version__}: {len(recorder.launches)} launches recorded",

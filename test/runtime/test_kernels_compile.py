@@ -30,7 +30,10 @@ def test_every_kernel_compiles_to_a_cubin_for_sm90_at_the_engines_launches(tmp_p
     report = json.loads(out.read_text())
     compiled = {r["kernel"] for r in report["results"]}
     assert report["unlaunched"] == [] and compiled == set(report["kernels"]), report["kernels"]
-    assert len(report["kernels"]) >= 11      # norms 2, silu, conv 2, delta rule, attention 2, rope, GEMV, dequant
+    assert len(report["kernels"]) >= 14      # norms 2, silu, conv 2, delta rule, attention 2, rope, GEMVs 2, dequant,
+    assert {"_dense_gemv_kernel", "_block_argmax_kernel", "_row_argmax_kernel"} <= compiled    # the pick 2
+    dense = [r["constexprs"] for r in report["results"] if r["kernel"] == "_dense_gemv_kernel"]
+    assert all(any(f"{fusion}=True" in c for c in dense) for fusion in ("NORM", "GATED", "RESIDUAL")), dense
     assert all(r["status"] == "cubin" and r["arch"] == "sm_90" for r in report["results"])
     gemv = [r for r in report["results"] if r["kernel"] == "_quant_gemv_kernel"]
     assert {"ONE_ROW=True" in r["constexprs"] for r in gemv} == {True, False}     # decode and the tl.dot path
