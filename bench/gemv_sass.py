@@ -1,7 +1,8 @@
-"""SASS instructions per weight in the fused quantized GEMV's main loop, compiled for a CUDA target on any machine.
+"""SASS instructions per weight in the fused GEMVs' main loop, compiled for a CUDA target on any machine.
 
     python bench/gemv_sass.py nvfp4 34816 5120 [--rows 1] [--config 32,512,4,1,1] [--arch 90] [--dump out.sass]
                               [--json out.json]
+    python bench/gemv_sass.py dense 1024 3584 --fusion gated ...     (the dense GEMV, plain or with one fusion)
 
 Decode GEMVs are bound by instruction issue (an SM issues 128 thread-instructions per clock), so the loop's
 instruction count per weight bounds the bytes per second a tile configuration can reach; this counts it without a
@@ -28,18 +29,31 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 
+from flashrt_ros.runtime.kernels import dense_gemv  # noqa: E402
 from flashrt_ros.runtime.kernels import quant_gemv as kq  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
 
 _ADDRESS = re.compile(r"/\*([0-9a-f]{4,})\*/")
 
 
-def record(kind: str, n: int, k: int, rows: int, config: kq.GemvConfig | None) -> ck.Launch:
+FUSIONS = ("plain", "norm", "gated", "residual")     # the dense GEMV's: its input normed or gated, a residual added
+
+
+def record(kind: str, n: int, k: int, rows: int, config: kq.GemvConfig | None, fusion: str = "plain") -> ck.Launch:
     """The GEMV launch the kernels make for this shape, recorded on CPU tensors (nothing runs)."""
     recorder = ck._Recorder()
     x = torch.empty(rows, k, dtype=torch.bfloat16)
     with recorder.recording():
-        if kind == "nvfp4":
+        if kind == kq.DENSE:
+            weight = torch.empty(n, k, dtype=torch.bfloat16)
+            if fusion == "gated":
+                dense_gemv.dense_linear_triton(torch.empty(rows, 2 * k, dtype=torch.bfloat16), weight, gated=True,
+                                               config=config)
+            else:
+                dense_gemv.dense_linear_triton(
+                    x, weight, torch.empty(k) if fusion == "norm" else None, 1e-6, config=config,
+                    residual=torch.empty(rows, n, dtype=torch.bfloat16) if fusion == "residual" else None)
+        elif kind == "nvfp4":
             kq.nvfp4_linear_triton(x, torch.empty(n, k // 2, dtype=torch.uint8),
                                    torch.empty(n, k // kq.NVFP4_GROUP, dtype=torch.float8_e4m3fn), torch.empty(n),
                                    config=config)
@@ -47,7 +61,8 @@ def record(kind: str, n: int, k: int, rows: int, config: kq.GemvConfig | None) -
             group = k if kind == "fp8" else ck.FP8_BLOCK
             kq.fp8_linear_triton(x, torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n, k // group),
                                  config=config)
-    return next(launch for launch in recorder.launches if launch.kernel.__name__ == "_quant_gemv_kernel")
+    return next(launch for launch in recorder.launches
+                if launch.kernel.__name__ in ("_quant_gemv_kernel", "_dense_gemv_kernel"))
 
 
 def sass(launch: ck.Launch, arch: int) -> tuple[str, int, int]:
@@ -106,7 +121,8 @@ def loop_opcodes(text: str) -> collections.Counter:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=kq.WEIGHT_KINDS)
+    parser.add_argument("kind", choices=(*kq.WEIGHT_KINDS, kq.DENSE))
+    parser.add_argument("--fusion", choices=FUSIONS, default="plain", help="the dense GEMV's fusion")
     parser.add_argument("n", type=int)
     parser.add_argument("k", type=int)
     parser.add_argument("--rows", type=int, default=1)
@@ -116,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the counts here")
     args = parser.parse_args(argv)
     config = kq.GemvConfig(*map(int, args.config.split(","))) if args.config else None
-    launch = record(args.kind, args.n, args.k, args.rows, config)
+    launch = record(args.kind, args.n, args.k, args.rows, config, args.fusion)
     text, registers, local_accesses = sass(launch, args.arch)
     if args.dump:
         args.dump.write_text(text)
@@ -124,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     used = config or kq.gemv_config(args.kind, args.n, args.k, args.rows, torch.device("cpu"))
     weights = used.block_n * used.block_k / (32 * used.num_warps)
     total = sum(opcodes.values())
-    print(f"{args.kind} {args.n}x{args.k} rows {args.rows} {tuple(used)} sm_{args.arch}: {total} loop instructions, "
+    name = f"{args.kind} {args.fusion}" if args.kind == kq.DENSE else args.kind
+    print(f"{name} {args.n}x{args.k} rows {args.rows} {tuple(used)} sm_{args.arch}: {total} loop instructions, "
           f"{weights:.0f} weights per thread, {total / weights:.2f} per weight, {registers} registers, "
           f"{local_accesses} local-memory accesses")
     print(", ".join(f"{op} {count}" for op, count in opcodes.most_common()))
