@@ -6,7 +6,10 @@ A planner's tree: a root at ``context`` tokens, then ``branches`` siblings, each
 * memory held: the delta store's used bytes vs what full copies would hold (every capsule's full size), and both
   over one full capsule (the issue's target: 8 branches of the 27B shape at 16k under 2x one full capsule);
 * restore: a sibling after a sibling (lineage-aware: the fixed state and the divergence), a full restore (after a
-  reset nothing is live), and the copy floor (one device copy of the full capsule's bytes), p50 over repeats;
+  reset nothing is live), and the copy floor (one device copy of the full capsule's bytes), p50 over repeats; and
+  sibling restores back to back, as a planner's search issues them (each round restores every branch in turn,
+  synchronised once), beside full copies issued the same way: the time a restore costs a stream of them, where
+  the p50 figures are each one synchronised round trip;
 * spill and fetch per tier (pinned host where the device has one, disk where ``--capsule-dir`` is given or a
   temporary folder) against the link's floor measured on the same bytes: a plain device-to-pinned-host copy and
   back, and a plain write + fsync / read of the same bytes;
@@ -80,6 +83,11 @@ def restore_figures(engine: Engine, ids: list[str], repeats: int) -> dict:
     out["sibling_over_floor"] = out["sibling_restore_p50_ms"] / out["copy_floor_p50_ms"]
     out["sibling_over_bytes_floor"] = out["sibling_restore_p50_ms"] / out["sibling_bytes_floor_p50_ms"]
     out["full_over_floor"] = out["full_restore_p50_ms"] / out["copy_floor_p50_ms"]
+    engine.restore(ids[-1])
+    rounds = [timed(device, lambda: [engine.restore(i) for i in ids])[1] / len(ids) for _ in range(repeats)]
+    floors = [timed(device, lambda: [dst.copy_(src) for _ in ids])[1] / len(ids) for _ in range(repeats)]
+    out["sibling_back_to_back_ms"], out["copy_floor_back_to_back_ms"] = _p50(rounds), _p50(floors)
+    out["sibling_back_to_back_over_floor"] = out["sibling_back_to_back_ms"] / out["copy_floor_back_to_back_ms"]
     return out
 
 
@@ -143,7 +151,8 @@ def run(engine: Engine, context: int, branches: int, branch_tokens: int, repeats
 COLUMNS = ["context", "branches", "one_full_capsule_bytes", "full_copies_over_one", "delta_over_one",
            "sibling_restore_p50_ms", "sibling_restore_host_p50_ms", "sibling_restore_device_p50_ms",
            "sibling_bytes_floor_p50_ms", "full_restore_p50_ms", "copy_floor_p50_ms", "sibling_over_floor",
-           "sibling_over_bytes_floor",
+           "sibling_over_bytes_floor", "sibling_back_to_back_ms", "copy_floor_back_to_back_ms",
+           "sibling_back_to_back_over_floor",
            "full_over_floor", "host_spill_p50_ms", "host_spill_over_floor", "host_fetch_p50_ms",
            "host_fetch_over_floor", "disk_spill_p50_ms", "disk_spill_over_floor", "disk_fetch_p50_ms",
            "disk_fetch_over_floor", "export_gb_s", "import_gb_s"]

@@ -570,7 +570,10 @@ def test_bench_capsules_cli_reports_sharing_and_every_tier(tmp_path, capsys):
     assert result["tiers"] == ["device", "disk"]
     for key in ("sibling_restore_p50_ms", "full_restore_p50_ms", "copy_floor_p50_ms", "disk_spill_p50_ms",
                 "disk_fetch_p50_ms", "disk_spill_floor_ms", "export_gb_s", "import_gb_s",
-                "sibling_restore_host_p50_ms", "sibling_restore_device_p50_ms", "sibling_bytes_floor_p50_ms"):
+                "sibling_restore_host_p50_ms", "sibling_restore_device_p50_ms", "sibling_bytes_floor_p50_ms",
+                "sibling_back_to_back_ms", "copy_floor_back_to_back_ms"):
         assert result[key] > 0, key
     assert result["sibling_over_bytes_floor"] == result["sibling_restore_p50_ms"] / result["sibling_bytes_floor_p50_ms"]
+    assert result["sibling_back_to_back_over_floor"] == \
+        result["sibling_back_to_back_ms"] / result["copy_floor_back_to_back_ms"]
     assert result["provenance"]["device_type"] == "cpu"
