@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{local_accesses} local-memory accesses")
     print(", ".join(f"{op} {count}" for op, count in opcodes.most_common()))
     if args.json:
-        provenance.write_result(args.json, {"config": list(used), "instructions": total, "weights_per_thread": weights,
+        provenance.write_result(args.json, {"kind": args.kind, "fusion": args.fusion if args.kind == kq.DENSE else None,
+                                            "N": args.n, "K": args.k, "rows": args.rows, "arch": f"sm_{args.arch}",
+                                            "config": list(used), "instructions": total, "weights_per_thread": weights,
                                             "per_weight": total / weights, "registers": registers,
                                             "local_memory_accesses": local_accesses, "opcodes": dict(opcodes)},
                                 "cpu")

@@ -76,6 +76,18 @@ def _peer(results: list[dict]) -> str:
     return peer.table(peer.paired(ours, theirs))
 
 
+def _gemv_sass(results: list[dict]) -> str:
+    """bench/gemv_sass.py's counts, a row per file: the GEMV loop's instructions, per weight, and the registers."""
+    lines = ["| kernel | N x K | rows | config | arch | loop instructions | per weight | registers | commit |",
+             "|---|---|---:|---|---|---:|---:|---:|---|"]
+    for r in results:
+        kernel = r["kind"] + (f", {r['fusion']}" if r.get("fusion") else "")
+        commit = r["provenance"]["commit"][:7] + (" (dirty)" if r["provenance"].get("dirty") else "")
+        lines.append(f"| {kernel} | {r['N']} x {r['K']} | {r['rows']} | {tuple(r['config'])} | {r['arch']} | "
+                     f"{r['instructions']} | {r['per_weight']:.2f} | {r['registers']} | `{commit}` |")
+    return "\n".join(lines)
+
+
 def _engine_option(result: dict, flag: str, default: str) -> str:
     """An engine option a result was made with, read from its recorded command line."""
     words = result.get("provenance", {}).get("command", "").split()
@@ -115,7 +127,7 @@ KINDS = {"bench": _bench, "bench-quant": _bench_quant, "bench-quant-gemv": _benc
          "bench-image-ttft": _captioned(_markdown_of("bench_image_ttft")),
          "bench-constraint": _captioned(_markdown_of("bench_constraint")),
          "bench-spec": _captioned(_markdown_of("bench_spec")),
-         "dense-gemv-decode": _captioned(_dense_gemv_decode)}
+         "dense-gemv-decode": _captioned(_dense_gemv_decode), "gemv-sass": _gemv_sass}
 ALL_FILES_NEEDED = {"peer"}
 
 
