@@ -119,6 +119,13 @@ def loop_opcodes(text: str) -> collections.Counter:
     return collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln).group(1) for ln in best)
 
 
+def loads_before_first_barrier(text: str) -> int:
+    """Global loads issued before the kernel's first barrier: a prologue's loads all in flight at once (the dense
+    GEMV's row statistics of a normed input) show here as many as the prologue makes."""
+    head = text.split("BAR.SYNC", 1)[0]
+    return len(re.findall(r"\bLDG\b", head))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=(*kq.WEIGHT_KINDS, kq.DENSE))
@@ -143,14 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     name = f"{args.kind} {args.fusion}" if args.kind == kq.DENSE else args.kind
     print(f"{name} {args.n}x{args.k} rows {args.rows} {tuple(used)} sm_{args.arch}: {total} loop instructions, "
           f"{weights:.0f} weights per thread, {total / weights:.2f} per weight, {registers} registers, "
-          f"{local_accesses} local-memory accesses")
+          f"{local_accesses} local-memory accesses, {loads_before_first_barrier(text)} global loads before the first "
+          "barrier")
     print(", ".join(f"{op} {count}" for op, count in opcodes.most_common()))
     if args.json:
         provenance.write_result(args.json, {"kind": args.kind, "fusion": args.fusion if args.kind == kq.DENSE else None,
                                             "N": args.n, "K": args.k, "rows": args.rows, "arch": f"sm_{args.arch}",
                                             "config": list(used), "instructions": total, "weights_per_thread": weights,
                                             "per_weight": total / weights, "registers": registers,
-                                            "local_memory_accesses": local_accesses, "opcodes": dict(opcodes)},
+                                            "local_memory_accesses": local_accesses, "opcodes": dict(opcodes),
+                                            "loads_before_first_barrier": loads_before_first_barrier(text)},
                                 "cpu")
     return 0
 

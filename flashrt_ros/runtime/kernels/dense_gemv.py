@@ -58,7 +58,8 @@ def _padded_rows(x, BLOCK_L: tl.constexpr):
 def _dense_gemv_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, partial_ptr, arrivals_ptr, L, N, K, stride_x,
                        stride_w, k_split, eps, SPLIT: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                        RESIDUAL: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
-                       ROWS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       NORM_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     """One [BLOCK_L, BLOCK_N] output tile over one K slice (program axes: block of W's rows, split-K index). The
     input tile of each step is formed in registers (normed or gated, rounded to the model dtype) for the ROWS >= L
     rows that can be real only, then padded with zero rows to the BLOCK_L the tensor cores take: the transform is
@@ -73,9 +74,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, partial_ptr, ar
     real_ok = real < L
     wide_rows = rows.to(tl.int64)
     x_rows = x_ptr + real[:, None] * stride_x
-    if NORM:    # the rows' 1 / rms over all K, whatever this program's slice
-        squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+    if NORM:    # the rows' 1 / rms over all K (NORM_K), whatever this program's slice: unrolled, every load in flight
+        squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)     # at once before the product's loop can start
+        for k0 in tl.static_range(0, NORM_K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             xs = tl.load(x_rows + k[None, :], mask=real_ok[:, None] & (k < K)[None, :], other=0).to(tl.float32)
             squares += xs * xs
@@ -141,6 +142,7 @@ def dense_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tenso
         kq._arrival_counters(x.device, n_blocks), rows, n, k, x.stride(0), weight.stride(0), k_split, eps,
         SPLIT=splits > 1, NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None,
         IEEE=x.dtype == torch.float32 or INTERPRETED, ASM=not INTERPRETED, EVEN_K=k % config.block_k == 0,
-        ROWS=triton.next_power_of_2(rows) if norm is not None or gated else kq.DENSE_ROWS, BLOCK_L=kq.DENSE_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        NORM_K=k if norm is not None else 0, ROWS=triton.next_power_of_2(rows) if norm is not None or gated
+        else kq.DENSE_ROWS, BLOCK_L=kq.DENSE_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return out
