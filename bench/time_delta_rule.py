@@ -1,7 +1,17 @@
 """The recurrent gated delta rule's device time per launch, at the decode step's length (1 row) and the capsule
 suffix piece's (24 rows), for a preset's DeltaNet shape:
-``python3 bench/time_delta_rule.py [PRESET] [LENGTHS]`` (default qwen3.5-0.8b 1,24), one line per length.
-A/B two versions of the kernel in one sitting by running it before and after swapping the module."""
+
+    python3 bench/time_delta_rule.py [PRESET] [LENGTHS] [--sweep] [--out FILE]
+
+(default qwen3.5-0.8b 1,24), one line per length with the kernels' own launch configuration
+(``delta_rule.launch_config``). ``--sweep`` also times every value block (4..64 columns), warp count (1..8) and
+reduction (one joint or two in turn), each checked against the default configuration's output, and prints the
+fastest per length. A/B two versions of the kernel in one sitting by running it before and after swapping the
+module."""
+from __future__ import annotations
+
+import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -10,22 +20,61 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
-from flashrt_ros.runtime.kernels.delta_rule import gated_delta_rule_triton  # noqa: E402
+from flashrt_ros.runtime.kernels import delta_rule  # noqa: E402
+from flashrt_ros.tools import provenance  # noqa: E402
 from flashrt_ros.tools.timing import time_calls_us  # noqa: E402
 
-preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-0.8b"
-lengths = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "1,24").split(",")]
-cfg = PRESETS[preset]
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-generator = torch.Generator(device=device).manual_seed(0)
-hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                  cfg.linear_value_head_dim)
-for length in lengths:
-    def rand(*shape):
-        return torch.randn(*shape, device=device, generator=generator).to(dtype)
-    q, k, v, a, b = rand(length, hk, dk), rand(length, hk, dk), rand(length, hv, dv), rand(length, hv), rand(length, hv)
-    a_log, dt_bias = torch.zeros(hv, device=device), torch.ones(hv, device=device)
-    state = torch.zeros(hv, dk, dv, device=device)
-    us = time_calls_us(device, [lambda: gated_delta_rule_triton(q, k, v, a, b, a_log, dt_bias, state)], repeats=20)
-    print(f"{preset} delta rule {length:3d} rows: {us:8.2f} us a launch, {us / length:6.3f} us a row")
+TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
+
+
+def sweep_configs(dv: int) -> list[delta_rule.DeltaRuleConfig]:
+    return [delta_rule.DeltaRuleConfig(block, warps, joint)
+            for block, warps, joint in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8), (True, False))
+            if block <= max(4, 1 << (dv - 1).bit_length())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("preset", nargs="?", default="qwen3.5-0.8b")
+    parser.add_argument("lengths", nargs="?", default="1,24")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    cfg = PRESETS[args.preset]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    generator = torch.Generator(device=device).manual_seed(0)
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    default = delta_rule.launch_config(hv, dk, dv)
+    rows = []
+    for length in map(int, args.lengths.split(",")):
+        def rand(*shape):
+            return torch.randn(*shape, device=device, generator=generator).to(dtype)
+        inputs = (rand(length, hk, dk), rand(length, hk, dk), rand(length, hv, dv), rand(length, hv),
+                  rand(length, hv), torch.zeros(hv, device=device), torch.ones(hv, device=device))
+        state, scratch = torch.zeros(hv, dk, dv, device=device), torch.zeros(hv, dk, dv, device=device)
+        want = delta_rule.gated_delta_rule_triton(*inputs, state.clone(), config=default)
+        for config in [default] + ([c for c in sweep_configs(dv) if c != default] if args.sweep else []):
+            out = delta_rule.gated_delta_rule_triton(*inputs, state.clone(), config=config)
+            correct = bool((out.float() - want.float()).abs().max() <= TOLERANCE * want.float().abs().max())
+            us = time_calls_us(device, [lambda c=config: delta_rule.gated_delta_rule_triton(
+                *inputs, scratch, config=c)], args.repeats) if correct else None      # the timed calls update it
+            rows.append({"length": length, "config": list(config), "default": config == default, "us": us,
+                         "correct": correct})
+            if config == default:
+                print(f"{args.preset} delta rule {length:3d} rows: {us:8.2f} us a launch, {us / length:6.3f} us a "
+                      f"row ({tuple(config)})", flush=True)
+        if args.sweep:
+            timed = sorted((r for r in rows if r["length"] == length and r["us"] is not None), key=lambda r: r["us"])
+            wrong = [tuple(r["config"]) for r in rows if r["length"] == length and not r["correct"]]
+            print(f"  fastest of {len(timed)}: " + ", ".join(f"{tuple(r['config'])} {r['us']:.2f} us"
+                                                           for r in timed[:5]) + (f"; wrong: {wrong}" if wrong else ""))
+    if args.out:
+        provenance.write_result(args.out, {"preset": args.preset, "rows": rows}, device.type)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

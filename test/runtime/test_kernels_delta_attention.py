@@ -125,16 +125,26 @@ def test_gated_delta_rule_triton_matches_reference_and_float64(layout, length, d
     assert errors["ref_state"] <= REFERENCE_STATE_TOLERANCE, errors
 
 
+SWEPT_CONFIGS = [delta_rule.DeltaRuleConfig(*c) for c in ((16, 4, True), (16, 4, False), (8, 1, True), (4, 2, False))]
+
+
 @needs_triton
-@pytest.mark.parametrize("joint", [True, False], ids=["joint", "two-reductions"])
-def test_gated_delta_rule_triton_takes_either_reduction_order_within_tolerance(joint, monkeypatch):
-    """The state block size picks one joint reduction over q and k or two in turn (SMALL_STATE_BLOCK); both match
-    float64 over a multi-row piece, whatever block the layout would give."""
-    monkeypatch.setattr(delta_rule, "SMALL_STATE_BLOCK", 1 << 30 if joint else 0)
-    inputs, arena = gdn_inputs(9, GDN_LAYOUTS["tiny"], torch.float32, seed=seed_of("joint", joint))
+@pytest.mark.parametrize("config", SWEPT_CONFIGS, ids=lambda c: f"v{c.block_v}-w{c.num_warps}-joint{int(c.joint)}")
+def test_gated_delta_rule_triton_matches_float64_under_any_launch_config(config):
+    """A launch configuration (value columns per program, warps, one joint reduction or two in turn) changes only
+    the summation order: each one matches float64 over a multi-row piece (what bench/time_delta_rule.py --sweep
+    times)."""
+    inputs, arena = gdn_inputs(9, GDN_LAYOUTS["tiny"], torch.float32, seed=seed_of("config", *config))
     want, want_state = gdn_float64(*inputs, arena.state)
-    out = delta_rule.gated_delta_rule_triton(*inputs, arena.state)
+    out = delta_rule.gated_delta_rule_triton(*inputs, arena.state, config=config)
     assert rel(out, want) <= TOLERANCE[torch.float32] and rel(arena.state, want_state) <= STATE_TOLERANCE
+
+
+@needs_triton
+@pytest.mark.parametrize("layout, want", [("0.8b", (16, 4, True)), ("27b", (32, 8, False)), ("tiny", (16, 4, True))])
+def test_the_launch_rule_gives_small_blocks_the_joint_reduction_and_large_ones_two(layout, want):
+    _, v_heads, dk, dv = GDN_LAYOUTS[layout]
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv)) == want
 
 
 def poison_rows(inputs, count):
@@ -460,3 +470,18 @@ def test_gpu_attention_prefill_runs_flash_without_repeated_kv(layout, length, sp
     if span <= 4096:
         want = attention_float64(q[-64:], keys, values, torch.arange(span - 64, span, device=DEVICE))
         assert_within("last 64 rows vs float64", out[-64:], want, TOLERANCE[torch.bfloat16])
+
+
+@needs_triton
+def test_the_launch_sweep_checks_every_configuration_against_the_default_and_times_the_correct_ones(tmp_path):
+    """bench/time_delta_rule.py --sweep: every configuration of the tiny shape computes the default's output (so none
+    is reported wrong), and each is timed once per length."""
+    import json
+
+    import bench_scripts
+    sweep = bench_scripts.load("time_delta_rule")
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["tiny", "2", "--sweep", "--repeats", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == len(sweep.sweep_configs(16)) and sum(r["default"] for r in rows) == 1
+    assert all(r["correct"] and r["us"] > 0 for r in rows), [r for r in rows if not r["correct"]]

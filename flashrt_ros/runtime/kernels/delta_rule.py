@@ -3,6 +3,8 @@ the whole Gated DeltaNet core (gates, q/k l2-norm, recurrence) as :func:`gated_d
 Triton kernel :func:`gated_delta_rule_triton` (same signature and contract)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -233,13 +235,26 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
 SMALL_STATE_BLOCK = 2048
 
 
-def _value_block(v_heads: int, dv: int) -> int:
-    """Value columns per program: the widest of 64/32/16 that still gives >= 128 programs (an H200 has 132 SMs;
-    a decode step is one token, so parallelism comes only from heads x column blocks)."""
+class DeltaRuleConfig(NamedTuple):
+    """How the recurrent kernel is launched: value columns per program, warps, and whether a row's two reductions
+    over the state run as one (JOINT in the kernel)."""
+    block_v: int
+    num_warps: int
+    joint: bool
+
+
+def launch_config(v_heads: int, dk: int, dv: int) -> DeltaRuleConfig:
+    """The value block: the widest of 64/32/16 that still gives >= 128 programs (an H200 has 132 SMs; a decode step
+    is one token, so parallelism comes only from heads x column blocks); small state blocks take 4 warps and the
+    joint reduction, larger ones 8 warps and two reductions (SMALL_STATE_BLOCK). ``bench/time_delta_rule.py
+    --sweep`` times the alternatives on a GPU."""
+    block_v = min(16, triton.next_power_of_2(dv))
     for block in (64, 32):
         if v_heads * triton.cdiv(dv, block) >= 128:
-            return min(block, triton.next_power_of_2(dv))
-    return min(16, triton.next_power_of_2(dv))
+            block_v = min(block, triton.next_power_of_2(dv))
+            break
+    small = triton.next_power_of_2(dk) * block_v <= SMALL_STATE_BLOCK
+    return DeltaRuleConfig(block_v, 4 if small else 8, small)
 
 
 def gated_delta_rule_rows(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -255,12 +270,14 @@ def gated_delta_rule_rows(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, ro
     return out
 
 
-def gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor,
-                            count: torch.Tensor | None = None) -> torch.Tensor:
+def gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, count: torch.Tensor | None = None,
+                            config: DeltaRuleConfig | None = None) -> torch.Tensor:
     """:func:`gated_delta_rule_reference` in one launch: a recurrence over the L rows (meant for L <= 64: decode and
     short pieces; long pieces belong to the chunked kernels). Same contract; q, k, v, a, b may be strided views
-    (unit last stride); the state [Hv, dk, dv] fp32 needs unit last stride. ``count`` is read on the device."""
-    return _gated_delta_rule_launch("gated_delta_rule_triton", q, k, v, a, b, A_log, dt_bias, state, count, None)
+    (unit last stride); the state [Hv, dk, dv] fp32 needs unit last stride. ``count`` is read on the device;
+    ``config`` replaces :func:`launch_config`'s (a sweep)."""
+    return _gated_delta_rule_launch("gated_delta_rule_triton", q, k, v, a, b, A_log, dt_bias, state, count, None,
+                                    config)
 
 
 def gated_delta_rule_rows_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor,
@@ -272,10 +289,10 @@ def gated_delta_rule_rows_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Ten
             and rows.dtype == torch.float32 and rows.stride()[1:] == state.stride(), op,
             f"rows must be [L, *state.shape] = {(q.shape[0], *state.shape)} fp32 with the state's layout per row, "
             f"got {tuple(rows.shape)} {rows.dtype} strides {rows.stride()}")
-    return _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, None, rows)
+    return _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, None, rows, None)
 
 
-def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, rows):
+def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, rows, config):
     require_launchable(op, q, k, v, a, b, A_log, dt_bias, state)
     for name, t, ndim in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("a", a, 2), ("b", b, 2)):
         require_rows(op, name, t, ndim)
@@ -291,14 +308,13 @@ def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, ro
             f"a, b must be [L, Hv] = {(length, v_heads)} and A_log, dt_bias [Hv]")
     require(state.shape == (v_heads, dk, dv), op, f"state must be {(v_heads, dk, dv)}, got {tuple(state.shape)}")
     out = torch.empty(length, v_heads, dv, dtype=v.dtype, device=v.device)
-    block_k, block_v = triton.next_power_of_2(dk), _value_block(v_heads, dv)
-    small = block_k * block_v <= SMALL_STATE_BLOCK
-    grid = (v_heads, triton.cdiv(dv, block_v))
+    config = config or launch_config(v_heads, dk, dv)
+    grid = (v_heads, triton.cdiv(dv, config.block_v))
     _gated_delta_rule_kernel[grid](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), A_log, dt_bias,
         state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count,
         state if rows is None else rows, 0 if rows is None else rows.stride(0), length, dk, dv, dk ** -0.5, 1e-6,
         GROUPS=v_heads // k_heads, HAS_COUNT=count is not None, STORE_ROWS=rows is not None,
-        JOINT=small, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4 if small else 8)
+        JOINT=config.joint, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=config.block_v, num_warps=config.num_warps)
     return out
