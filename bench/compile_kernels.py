@@ -58,6 +58,7 @@ from flashrt_ros.runtime.kernels import (activations, attention, conv, delta_rul
 from flashrt_ros.runtime.model import PIECE_BUCKET, SMALL_PIECE, Qwen35, StepRows  # noqa: E402
 from flashrt_ros.runtime.speculative import STEP_ROWS, RowStates  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
+from flashrt_ros.tools.bench_quant import preset_projection_shapes  # noqa: E402
 
 KERNEL_MODULES = (activations, attention, conv, delta_rule, dense_gemv, norms, pick, quant_gemv, rope)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -160,18 +161,8 @@ def record_model(recorder: _Recorder, preset: str, dtype: torch.dtype, max_conte
         model.forward(tokens, LONG_PIECE, dense=True)
 
 
-def projection_shapes(preset: str) -> set[tuple[int, int]]:
-    """(N, K) of every fused projection of the preset and of its LM head (what quant.targets names)."""
-    cfg = dataclasses.replace(PRESETS[preset], layer_types=("linear_attention", "full_attention"))
-    with torch.device("meta"):
-        model = Qwen35(cfg)
-    model.fuse_projections()
-    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
-    return shapes | {tuple(model.output_weight().shape)}
-
-
 def record_quant(recorder: _Recorder, preset: str, dtype: torch.dtype) -> None:
-    for n, k in sorted(projection_shapes(preset)):
+    for n, k in preset_projection_shapes(preset):
         fp8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
         nvfp4 = (torch.empty(n, k // 2, dtype=torch.uint8),
                  torch.empty(n, k // quant_gemv.NVFP4_GROUP, dtype=torch.float8_e4m3fn), torch.ones(n))
@@ -194,7 +185,7 @@ def record_step(recorder: _Recorder, preset: str, dtype: torch.dtype) -> None:
     for rows in (1, STEP_ROWS):
         recorder.origin = f"{preset}/{dtype} greedy pick {rows}x{vocab}"
         pick.greedy_pick_triton(torch.empty(rows, vocab), torch.empty(rows, -(-vocab // 32), dtype=torch.int32), ())
-    for n, k in sorted(projection_shapes(preset)):
+    for n, k in preset_projection_shapes(preset):
         weight = torch.empty(n, k, dtype=dtype)
         for rows in (1, dense_gemv.MAX_ROWS):
             x, gate_up = torch.empty(rows, k, dtype=dtype), torch.empty(rows, 2 * k, dtype=dtype)

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -24,8 +23,8 @@ from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import TRITON  # noqa: E402
 from flashrt_ros.runtime.kernels.dense_gemv import dense_linear_triton  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
+from flashrt_ros.tools.bench_quant import preset_projection_shapes  # noqa: E402
 from flashrt_ros.tools.timing import cold_copies, time_calls_us  # noqa: E402
-from tune_quant_gemv import projection_shapes  # noqa: E402
 
 FUSIONS = ("none", "norm", "gated", "residual")
 
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator(device=device).manual_seed(0)
     rows = []
-    for n, k in projection_shapes(args.preset):
+    for n, k in preset_projection_shapes(args.preset):
         w = torch.randn(n, k, device=device, dtype=dtype, generator=generator) / k ** 0.5
         weights = [w] + [w.clone() for _ in range(cold_copies(device, w.numel() * w.element_size()) - 1)]
         x = torch.randn(1, k, device=device, dtype=dtype, generator=generator)

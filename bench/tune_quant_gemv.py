@@ -35,29 +35,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
 
 from flashrt_ros.runtime import quant  # noqa: E402
-from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import dense_gemv  # noqa: E402
 from flashrt_ros.runtime.kernels import quant_gemv as kq  # noqa: E402
 from flashrt_ros.runtime.kernels import quant_gemv_configs  # noqa: E402
-from flashrt_ros.runtime.model import Qwen35  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
+from flashrt_ros.tools.bench_quant import preset_projection_shapes  # noqa: E402
 from flashrt_ros.tools.timing import cold_copies, time_calls_us  # noqa: E402
 
 ROWS = (1, 8, 16, 24, 32, 64)        # decode, the small-piece buckets up to SMALL_PIECE (model.py)
 FP8_BLOCK = 128                      # compressed-tensors' block-scaled FP8 checkpoints
 TOLERANCE = 2e-2                     # bf16 activations: relative to the largest output
-
-
-def projection_shapes(preset: str) -> list[tuple[int, int]]:
-    """(N, K) of every fused projection and of the LM head, from a meta-device model (as bench_quant builds one)."""
-    with torch.device("meta"):
-        model = Qwen35(PRESETS[preset])
-    model.fuse_projections()
-    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
-    return sorted(shapes | {tuple(model.output_weight().shape)})
 
 
 def candidates(kind: str, bucket: int) -> list[kq.GemvConfig]:
@@ -240,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-table", type=Path, help="write the config module here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    shapes = sorted({s for p in reversed(args.presets.split(",")) for s in projection_shapes(p)},
+    shapes = sorted({s for p in reversed(args.presets.split(",")) for s in preset_projection_shapes(p)},
                     key=lambda s: -s[0] * s[1])                       # the big (27B) shapes first
     rows = tuple(int(r) for r in args.rows.split(","))
     with torch.inference_mode():

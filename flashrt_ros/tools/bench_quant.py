@@ -61,13 +61,24 @@ def projected_bytes_per_token(cfg: ModelConfig, fmt: str, exclude: tuple[str, ..
 
 
 def projection_shapes(model: Qwen35) -> list[tuple[str, int, int]]:
-    """(name, N, K) of each distinct projection shape of the dense text model, the LM head last."""
-    seen, shapes = set(), []
+    """(name, N, K) of each distinct projection shape of the dense text model, the LM head last (once, whether it
+    is the embedding or its own ``lm_head`` projection)."""
+    head = tuple(model.output_weight().shape)
+    seen, shapes = {head}, []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and not name.startswith(VISUAL) and tuple(module.weight.shape) not in seen:
             seen.add(tuple(module.weight.shape))
             shapes.append((name, *module.weight.shape))
-    return shapes + [(quant.LM_HEAD, *model.output_weight().shape)]
+    return shapes + [(quant.LM_HEAD, *head)]
+
+
+def preset_projection_shapes(preset: str) -> list[tuple[int, int]]:
+    """(N, K) of :func:`projection_shapes` for a preset, from a meta-device model with fused projections (nothing
+    allocated: the GEMV sweeps and compile checks of presets too large to build here)."""
+    with torch.device("meta"):
+        model = Qwen35(PRESETS[preset])
+    model.fuse_projections()
+    return [(n, k) for _, n, k in projection_shapes(model)]
 
 
 def gemv_table(model: Qwen35, device: torch.device, dtype: torch.dtype, use_triton: bool, repeats: int) -> list:

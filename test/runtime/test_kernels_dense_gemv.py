@@ -18,6 +18,7 @@ from flashrt_ros.runtime.kernels import dense_gemv as dg
 from flashrt_ros.runtime.kernels import quant_gemv as kq
 from flashrt_ros.runtime.kernels._layout import LayoutError
 from flashrt_ros.runtime.kernels._triton import triton
+from flashrt_ros.tools import bench_quant
 from kernel_checks import assert_same_bytes, describe
 
 tune = bench_scripts.load("tune_quant_gemv")
@@ -179,7 +180,7 @@ def test_gpu_dense_gemv_matches_its_reference_at_the_08b_shapes_and_replays_bit_
     """Every projection shape of qwen3.5-0.8b (its table's or the default config; the LM head plain only), rows 1
     and 5, bf16: within one bf16 step of the reference; captured in a CUDA graph, the replay writes the eager
     call's bytes and leaves every split-K counter at zero."""
-    for n, k in tune.projection_shapes("qwen3.5-0.8b"):
+    for n, k in bench_quant.preset_projection_shapes("qwen3.5-0.8b"):
         if fusion != "plain" and n >= 100_000:
             continue                                        # the LM head is plain
         for rows in (1, 5):

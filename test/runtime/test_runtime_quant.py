@@ -249,7 +249,7 @@ def _scaled_down_preset_shapes() -> list[tuple[int, int]]:
     """The presets' projection shapes (N, K) divided by 512 along N and 32 along K, kept multiples of 128 in K."""
     shapes = set()
     for preset in ("qwen3.5-0.8b", "qwen3.6-27b"):
-        for n, k in tune.projection_shapes(preset):
+        for n, k in bench_quant.preset_projection_shapes(preset):
             shapes.add((max(1, n // 512), max(128, k // 32 // 128 * 128)))
     return sorted(shapes)
 
@@ -634,3 +634,19 @@ def test_a_quantized_head_read_for_its_leading_rows_gives_those_outputs_exactly(
             leading, whole[:, :96])
     else:
         assert torch.equal(leading, whole[:, :96])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_gemv_tables_shapes_list_the_lm_head_once_whether_tied_or_not(tied):
+    """bench-quant's GEMV table and the sweeps time each distinct projection shape once, the LM head last: an
+    untied head is also an ``nn.Linear`` of the model and was timed twice."""
+    import dataclasses
+
+    from flashrt_ros.runtime.config import PRESETS
+    from flashrt_ros.runtime.model import Qwen35
+    with torch.device("meta"):
+        model = Qwen35(dataclasses.replace(PRESETS["qwen3.6-27b"], tie_word_embeddings=tied))
+    model.fuse_projections()
+    shapes = bench_quant.projection_shapes(model)
+    assert [(n, k) for _, n, k in shapes].count((248320, 5120)) == 1 and shapes[-1][0] == quant.LM_HEAD
+    assert len({(n, k) for _, n, k in shapes}) == len(shapes)
