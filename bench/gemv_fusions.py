@@ -7,7 +7,7 @@ fusions, took ~8 us (tune_dense_0.8b.json), so something the step adds costs ~7 
 For each dense projection shape of the preset and each fusion of :func:`dense_linear_triton` (none, the input's
 RMSNorm, the input's SiLU gate, the residual add), the fused kernel (with this device's table configuration) against
 what the cuBLAS path launches for the same result (the Triton norm / gate kernel, then ``F.linear``, then the add),
-each timed in CUDA graphs over copies of the weight read from device memory (``timing.cold_copies``)."""
+each timed in CUDA graphs over copies of the weight read from device memory (``timing.weight_copies``)."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +24,7 @@ from flashrt_ros.runtime.kernels import TRITON  # noqa: E402
 from flashrt_ros.runtime.kernels.dense_gemv import dense_linear_triton  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
 from flashrt_ros.tools.bench_quant import preset_projection_shapes  # noqa: E402
-from flashrt_ros.tools.timing import cold_copies, time_calls_us  # noqa: E402
+from flashrt_ros.tools.timing import time_calls_us, weight_copies  # noqa: E402
 
 FUSIONS = ("none", "norm", "gated", "residual")
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n, k in preset_projection_shapes(args.preset):
         w = torch.randn(n, k, device=device, dtype=dtype, generator=generator) / k ** 0.5
-        weights = [w] + [w.clone() for _ in range(cold_copies(device, w.numel() * w.element_size()) - 1)]
+        weights = [copy for copy, in weight_copies(device, (w,))]
         x = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
         gate_up = torch.randn(1, 2 * k, device=device, dtype=dtype, generator=generator)
         scale = 1.0 + 0.1 * torch.randn(k, device=device, generator=generator)

@@ -9,8 +9,9 @@ For each weight kind (fp8 per channel, fp8 with 128-wide block scales, nvfp4, or
 weights through :mod:`~flashrt_ros.runtime.kernels.dense_gemv`), each projection shape of the presets
 (after fusion, and the LM head) and each row count, every candidate configuration is timed inside CUDA graphs
 (``timing.time_calls_us``), cycling through copies of the weight so that each call reads it from device memory as a
-decode step does (``timing.cold_copies``: timed on one L2-resident weight, a kernel tuned for cache latency loses in
-the step), and its output checked against the reference (wrong ones are skipped and reported); beside them cuBLAS bf16 ``F.linear`` on the dense weights and the long-piece path (dequantise + cuBLAS).
+decode step does (``timing.weight_copies``: timed on one L2-resident weight, a kernel tuned for cache latency loses
+in the step), and its output checked against the reference (wrong ones are skipped and reported); beside them
+cuBLAS bf16 ``F.linear`` on the dense weights and the long-piece path (dequantise + cuBLAS).
 Per (kind, N, K, rows bucket) the fastest correct configuration over the bucket's row counts is chosen (dense has
 one bucket: its rows share one configuration, so one reduction order); per quantized kind, ``fused_max_rows`` is
 the largest row count up to which the fused GEMV beats dequantise + cuBLAS summed over the shapes. The JSON has every timing; ``--write-table`` writes the module ``quant_gemv_configs.py`` with this device's
@@ -42,7 +43,7 @@ from flashrt_ros.runtime.kernels import quant_gemv as kq  # noqa: E402
 from flashrt_ros.runtime.kernels import quant_gemv_configs  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
 from flashrt_ros.tools.bench_quant import preset_projection_shapes  # noqa: E402
-from flashrt_ros.tools.timing import cold_copies, time_calls_us  # noqa: E402
+from flashrt_ros.tools.timing import time_calls_us, weight_copies  # noqa: E402
 
 ROWS = (1, 8, 16, 24, 32, 64)        # decode, the small-piece buckets up to SMALL_PIECE (model.py)
 FP8_BLOCK = 128                      # compressed-tensors' block-scaled FP8 checkpoints
@@ -114,12 +115,6 @@ def _try(fused, x, copies, config, want, device, repeats) -> dict:
         return {"us": None, "correct": False, "error": str(error)}
     calls = [lambda c=c: fused(x, *c, config=config) for c in copies]
     return {"us": time_calls_us(device, calls, repeats) if correct else None, "correct": correct}
-
-
-def weight_copies(device: torch.device, tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
-    """``tensors`` and as many clones as :func:`cold_copies` asks for."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(cold_copies(device, nbytes) - 1)]
 
 
 def sweep(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.device, dtype: torch.dtype,

@@ -26,7 +26,7 @@ from flashrt_ros.runtime.model import Qwen35
 from flashrt_ros.runtime.vision.config import VISUAL
 
 from . import floors, ttft
-from .timing import cold_copies, release_engine_memory, time_calls_us, timed
+from .timing import release_engine_memory, time_calls_us, timed, weight_copies
 from .verify import first_divergence, prompt_tokens
 
 THOR_BYTES_PER_S = 273e9
@@ -85,7 +85,8 @@ def gemv_table(model: Qwen35, device: torch.device, dtype: torch.dtype, use_trit
     """Each projection shape at one row (decode): dense ``F.linear`` against the fp8 and nvfp4 GEMVs, in time and in
     error: ``*_rel_err`` is one layer's relative L2 error against the fp32 product of the same Gaussian weights and
     input, the quantisation error itself (the end-to-end figures of random weights compound it through every layer).
-    Each timing cycles through copies of its weight, read from device memory as in a decode step (:func:`cold_copies`)."""
+    Each timing cycles through copies of its weight, read from device memory as in a decode step
+    (:func:`~.timing.weight_copies`)."""
     rows = []
     generator = torch.Generator(device=device).manual_seed(0)
     for name, n, k in projection_shapes(model):
@@ -95,13 +96,13 @@ def gemv_table(model: Qwen35, device: torch.device, dtype: torch.dtype, use_trit
 
         def rel_err(y: torch.Tensor) -> float:
             return float((y.float() - exact).norm() / exact.norm())
-        dense = [w] + [w.clone() for _ in range(cold_copies(device, w.numel() * w.element_size()) - 1)]
         row = {"shape": name, "N": n, "K": k, "dense_rel_err": rel_err(F.linear(x, w)),
-               "dense_us": time_calls_us(device, [lambda c=c: F.linear(x, c) for c in dense], repeats)}
-        del dense[1:]
+               "dense_us": time_calls_us(device, [lambda c=c: F.linear(x, c) for c, in weight_copies(device, (w,))],
+                                         repeats)}
         for fmt in ("fp8", "nvfp4"):
-            layers = [quant.QuantLinear(quant.QUANTIZERS[fmt](w), use_triton)
-                      for _ in range(cold_copies(device, quant.weight_bytes(fmt, n, k, 0)))]
+            weight = quant.QUANTIZERS[fmt](w)
+            layers = [quant.QuantLinear(quant.QuantizedWeight(fmt, *copy), use_triton)
+                      for copy in weight_copies(device, tuple(weight.tensors().values()))]
             layer = layers[0]
             row[f"{fmt}_us"] = time_calls_us(device, [lambda c=c: c(x) for c in layers], repeats)
             row[f"{fmt}_speedup"] = row["dense_us"] / row[f"{fmt}_us"]

@@ -70,8 +70,15 @@ def cold_copies(device: torch.device, nbytes: int) -> int:
     return max(1, -(-COLD_L2_MULTIPLE * l2 // max(1, nbytes)))
 
 
+def weight_copies(device: torch.device, tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """``tensors`` (one weight: a dense matrix, or a quantized one's data and scales) and as many clones of them as
+    :func:`cold_copies` asks for, for a timing to take in turn."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(cold_copies(device, nbytes) - 1)]
+
+
 def time_calls_us(device: torch.device, calls: Sequence[Callable[[], object]], repeats: int) -> float:
-    """Median microseconds per call of ``calls`` taken in turn (one per weight copy, :func:`cold_copies`); on CUDA
+    """Median microseconds per call of ``calls`` taken in turn (one per weight copy, :func:`weight_copies`); on CUDA
     over captured graphs of at least :data:`KERNEL_CALLS_PER_SAMPLE` calls (no launch gaps)."""
     calls = list(calls)
     if device.type == "cuda":

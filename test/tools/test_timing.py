@@ -27,3 +27,14 @@ def test_a_timing_takes_every_copy_in_turn_and_reports_the_time_per_call():
     calls = [lambda i=i: taken.append(i) for i in range(3)]
     us = timing.time_calls_us(torch.device("cpu"), calls, repeats=2)
     assert taken == [0, 1, 2] * 3 and us > 0          # one warm-up round, then one per repeat
+
+
+def test_weight_copies_are_the_weight_and_equal_clones_in_their_own_memory_as_many_as_its_bytes_ask(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(L2_cache_size=1000))
+    data, scale = torch.arange(200, dtype=torch.uint8), torch.ones(25)       # 200 + 100 bytes: 2000 / 300 -> 7 copies
+    copies = timing.weight_copies(torch.device("cuda", 0), (data, scale))
+    assert len(copies) == timing.cold_copies(torch.device("cuda", 0), 300) == 7
+    assert copies[0][0] is data and copies[0][1] is scale
+    for copy in copies[1:]:
+        assert all(torch.equal(c, t) and c.data_ptr() != t.data_ptr() for c, t in zip(copy, (data, scale)))
+    assert timing.weight_copies(torch.device("cpu"), (data,)) == [(data,)]

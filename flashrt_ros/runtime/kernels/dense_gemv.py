@@ -135,6 +135,7 @@ def dense_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tenso
     splits = kq._splits(x.device, n_blocks, k_blocks, config.splits)
     k_split = triton.cdiv(k_blocks, splits) * config.block_k
     splits = triton.cdiv(k, k_split)
+    formed = norm is not None or gated      # an input formed in the kernel: on the rows that can be real only
     out = torch.empty((rows, n), device=x.device, dtype=x.dtype)
     partial = torch.empty((splits, rows, n), device=x.device, dtype=torch.float32) if splits > 1 else out
     _dense_gemv_kernel[(n_blocks, splits)](
@@ -142,7 +143,7 @@ def dense_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tenso
         kq._arrival_counters(x.device, n_blocks), rows, n, k, x.stride(0), weight.stride(0), k_split, eps,
         SPLIT=splits > 1, NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None,
         IEEE=x.dtype == torch.float32 or INTERPRETED, ASM=not INTERPRETED, EVEN_K=k % config.block_k == 0,
-        NORM_K=k if norm is not None else 0, ROWS=triton.next_power_of_2(rows) if norm is not None or gated
-        else kq.DENSE_ROWS, BLOCK_L=kq.DENSE_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        NORM_K=k if norm is not None else 0, ROWS=triton.next_power_of_2(rows) if formed else kq.DENSE_ROWS,
+        BLOCK_L=kq.DENSE_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return out
