@@ -1,13 +1,13 @@
-"""The gated delta rule's device time per launch, at the decode step's length (1 row) and the capsule suffix
-piece's (24 rows), for a preset's DeltaNet shape:
+"""The recurrent gated delta rule's device time per launch, at the decode step's length (1 row) and the capsule
+suffix piece's (24 rows), for a preset's DeltaNet shape:
 
     python3 bench/time_delta_rule.py [PRESET] [LENGTHS] [--sweep] [--out FILE]
 
 (default qwen3.5-0.8b 1,24), one line per length with the kernels' own launch configuration
 (``delta_rule.launch_config``). ``--sweep`` also times every value block (4..64 columns), warp count (1..8) and
-form (the recurrence with one joint reduction or two in turn; folds, for pieces), each checked against the default
-configuration's output, and prints the fastest per length. A/B two versions of the kernel in one sitting by running
-it before and after swapping the module."""
+reduction (one joint or two in turn), each checked against the default configuration's output, and prints the
+fastest per length. A/B two versions of the kernel in one sitting by running it before and after swapping the
+module."""
 from __future__ import annotations
 
 import argparse
@@ -27,12 +27,10 @@ from flashrt_ros.tools.timing import time_calls_us  # noqa: E402
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
 
 
-def sweep_configs(dv: int, length: int) -> list[delta_rule.DeltaRuleConfig]:
-    """Every launch the kernel takes at this length: folds only for pieces and value blocks of >= SUBCHUNK."""
-    return [delta_rule.DeltaRuleConfig(block, warps, form)
-            for block, warps, form in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8), delta_rule.FORMS)
-            if block <= max(4, 1 << (dv - 1).bit_length())
-            and (form != "chunked" or (length > 1 and block >= delta_rule.SUBCHUNK))]
+def sweep_configs(dv: int) -> list[delta_rule.DeltaRuleConfig]:
+    return [delta_rule.DeltaRuleConfig(block, warps, joint)
+            for block, warps, joint in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8), (True, False))
+            if block <= max(4, 1 << (dv - 1).bit_length())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,16 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator(device=device).manual_seed(0)
     hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
+    default = delta_rule.launch_config(hv, dk, dv)
     rows = []
     for length in map(int, args.lengths.split(",")):
-        default = delta_rule.launch_config(hv, dk, dv, piece=length > 1)
         def rand(*shape):
             return torch.randn(*shape, device=device, generator=generator).to(dtype)
         inputs = (rand(length, hk, dk), rand(length, hk, dk), rand(length, hv, dv), rand(length, hv),
                   rand(length, hv), torch.zeros(hv, device=device), torch.ones(hv, device=device))
         state, scratch = torch.zeros(hv, dk, dv, device=device), torch.zeros(hv, dk, dv, device=device)
         want = delta_rule.gated_delta_rule_triton(*inputs, state.clone(), config=default)
-        for config in [default] + ([c for c in sweep_configs(dv, length) if c != default] if args.sweep else []):
+        for config in [default] + ([c for c in sweep_configs(dv) if c != default] if args.sweep else []):
             out = delta_rule.gated_delta_rule_triton(*inputs, state.clone(), config=config)
             correct = bool((out.float() - want.float()).abs().max() <= TOLERANCE * want.float().abs().max())
             us = time_calls_us(device, [lambda c=config: delta_rule.gated_delta_rule_triton(

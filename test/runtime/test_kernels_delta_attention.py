@@ -102,11 +102,9 @@ def gdn_float64(q, k, v, a, b, A_log, dt_bias, state):
     return torch.stack(outs), s
 
 
-# The presets' layouts at decode length and the 0.8B's at the capsule suffix's 24 rows (the interpreter runs each of
-# their 128-192 programs in Python); longer pieces (one fold, several, a partial last one) at the tiny layout and, in
-# the padding tests, at the 27B head ratio.
-GDN_CASES = [(name, length) for name in GDN_LAYOUTS
-             for length in {"tiny": (1, 9, 16, 64), "0.8b": (1, 24)}.get(name, (1,))]
+# The presets' layouts at decode length (the interpreter runs each of their 128-192 programs in Python); longer
+# pieces at the tiny layout and, in the padding tests, at the 27B head ratio.
+GDN_CASES = [(name, length) for name in GDN_LAYOUTS for length in ((1, 9, 64) if name == "tiny" else (1,))]
 
 
 @needs_triton
@@ -127,16 +125,15 @@ def test_gated_delta_rule_triton_matches_reference_and_float64(layout, length, d
     assert errors["ref_state"] <= REFERENCE_STATE_TOLERANCE, errors
 
 
-SWEPT_CONFIGS = [delta_rule.DeltaRuleConfig(*c) for c in ((16, 4, "joint"), (16, 4, "two"), (8, 1, "joint"),
-                                                          (4, 2, "two"), (16, 1, "chunked"), (16, 8, "chunked"))]
+SWEPT_CONFIGS = [delta_rule.DeltaRuleConfig(*c) for c in ((16, 4, True), (16, 4, False), (8, 1, True), (4, 2, False))]
 
 
 @needs_triton
-@pytest.mark.parametrize("config", SWEPT_CONFIGS, ids=lambda c: f"v{c.block_v}-w{c.num_warps}-{c.form}")
+@pytest.mark.parametrize("config", SWEPT_CONFIGS, ids=lambda c: f"v{c.block_v}-w{c.num_warps}-joint{int(c.joint)}")
 def test_gated_delta_rule_triton_matches_float64_under_any_launch_config(config):
-    """A launch configuration (value columns per program, warps, the recurrence with one joint reduction or two in
-    turn, or folds) changes only the summation order: each one matches float64 over a multi-row piece (what
-    bench/time_delta_rule.py --sweep times)."""
+    """A launch configuration (value columns per program, warps, one joint reduction or two in turn) changes only
+    the summation order: each one matches float64 over a multi-row piece (what bench/time_delta_rule.py --sweep
+    times)."""
     inputs, arena = gdn_inputs(9, GDN_LAYOUTS["tiny"], torch.float32, seed=seed_of("config", *config))
     want, want_state = gdn_float64(*inputs, arena.state)
     out = delta_rule.gated_delta_rule_triton(*inputs, arena.state, config=config)
@@ -144,32 +141,10 @@ def test_gated_delta_rule_triton_matches_float64_under_any_launch_config(config)
 
 
 @needs_triton
-@pytest.mark.parametrize("length", [16, 40])
-def test_folds_where_every_row_overwrites_the_last_match_float64(length):
-    """One key for every row, beta = 1 and no decay: each row replaces the value the state holds for that key, so
-    the fold's triangular system is as far from the identity as it gets (every N[i, j] = 1 below the diagonal). Its
-    inverse's entries alternate in sign and the substitution must carry every row: one row left out, or the
-    inverse taken as the product (I - N)(I + N^2)(I + N^4)(I + N^8) (cancellation: 7e-5 at 40 rows), fails."""
-    (q, k, v, a, b, A_log, dt_bias), arena = gdn_inputs(length, GDN_LAYOUTS["tiny"], torch.float32,
-                                                        seed=seed_of("overwrite", length))
-    k[:] = k[:1].clone()
-    a.fill_(-40.0)                                    # softplus(-40 + dt_bias) ~ 1e-17: decay 1 in fp32
-    b.fill_(30.0)                                     # sigmoid 1 in fp32
-    inputs = (q, k, v, a, b, A_log, dt_bias)
-    want, want_state = gdn_float64(*inputs, arena.state)
-    out = delta_rule.gated_delta_rule_triton(*inputs, arena.state)
-    assert rel(out, want) <= TOLERANCE[torch.float32] and rel(arena.state, want_state) <= STATE_TOLERANCE
-
-
-@needs_triton
-@pytest.mark.parametrize("layout, one_row, piece", [("0.8b", (16, 4, "joint"), (16, 4, "chunked")),
-                                                    ("27b", (32, 8, "two"), (32, 4, "chunked")),
-                                                    ("tiny", (16, 4, "joint"), (16, 4, "chunked"))])
-def test_the_launch_rule_folds_pieces_and_gives_small_blocks_the_joint_reduction_and_large_ones_two(layout, one_row,
-                                                                                                    piece):
+@pytest.mark.parametrize("layout, want", [("0.8b", (16, 4, True)), ("27b", (32, 8, False)), ("tiny", (16, 4, True))])
+def test_the_launch_rule_gives_small_blocks_the_joint_reduction_and_large_ones_two(layout, want):
     _, v_heads, dk, dv = GDN_LAYOUTS[layout]
-    assert tuple(delta_rule.launch_config(v_heads, dk, dv)) == one_row
-    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True)) == piece
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv)) == want
 
 
 def poison_rows(inputs, count):
@@ -186,27 +161,21 @@ def poison_rows(inputs, count):
 @needs_triton
 @pytest.mark.parametrize("seed", range(4))
 def test_gated_delta_rule_padding_rows_leave_the_state_as_if_absent(seed):
-    """A piece of n >= 2 real rows padded to a bucket: the Triton kernel gives the bytes of the same kernel on the n
-    rows (state and outputs; the folds are as wide in every bucket), and zero output rows for the padding. One real
-    row in a bucket is folded, one row alone is a decode step (the recurrence): equal within rounding only."""
+    """A piece of n real rows padded to a bucket: the Triton kernel gives the bytes of the same kernel on the n rows
+    (state and outputs), and zero output rows for the padding."""
     g = gen(100 + seed)
     layout = GDN_LAYOUTS["tiny"] if seed % 2 else (1, 3, 32, 32)      # the 27B preset's 3 value heads per key head
     bucket = (8, 16, 5, 64)[seed]
-    for n in sorted({1, 2, int(torch.randint(2, bucket + 1, (1,), generator=g)), bucket}):
-        inputs, arena = gdn_inputs(bucket, layout, torch.bfloat16, seed=200 + seed + n)
-        padded = poison_rows(inputs, n)
-        unpadded_state = arena.state.clone()
-        unpadded = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs),
-                                                      unpadded_state)
-        out = delta_rule.gated_delta_rule_triton(*padded, arena.state, torch.tensor(n, device=DEVICE))
-        assert torch.equal(out[n:], torch.zeros_like(out[n:]))
-        assert arena.outside_untouched()
-        if n == 1:
-            assert rel(arena.state, unpadded_state) <= STATE_TOLERANCE
-            assert rel(out[:1], unpadded) <= TOLERANCE[torch.bfloat16]
-        else:
-            assert torch.equal(arena.state, unpadded_state), f"n={n} of {bucket}"
-            assert torch.equal(out[:n], unpadded), f"n={n} of {bucket}"
+    n = int(torch.randint(1, bucket + 1, (1,), generator=g))
+    inputs, arena = gdn_inputs(bucket, layout, torch.bfloat16, seed=200 + seed)
+    padded = poison_rows(inputs, n)
+    unpadded_state = arena.state.clone()
+    unpadded = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs), unpadded_state)
+    out = delta_rule.gated_delta_rule_triton(*padded, arena.state, torch.tensor(n, device=DEVICE))
+    assert torch.equal(arena.state, unpadded_state), f"n={n} of {bucket}"
+    assert torch.equal(out[:n], unpadded)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    assert arena.outside_untouched()
 
 
 @pytest.mark.parametrize("bucket", [8, 16, 64])
@@ -242,13 +211,6 @@ def test_gated_delta_rule_triton_refuses_bad_layouts_and_leaves_the_state():
     for message, (args, state) in cases.items():
         with pytest.raises(LayoutError, match=message):
             delta_rule.gated_delta_rule_triton(*args, state)
-    for config in (delta_rule.DeltaRuleConfig(8, 4, "chunked"), delta_rule.DeltaRuleConfig(16, 4, "folded")):
-        with pytest.raises(LayoutError, match="the form is one of"):
-            delta_rule.gated_delta_rule_triton(*inputs, arena.state, config=config)
-    rows = torch.zeros(3, *arena.state.shape, device=DEVICE)
-    with pytest.raises(LayoutError, match="keeps no row states"):
-        delta_rule._gated_delta_rule_launch("rows", *inputs, arena.state, None, rows,
-                                            delta_rule.DeltaRuleConfig(16, 4, "chunked"))
     with pytest.raises(LayoutError, match="count"):
         delta_rule.gated_delta_rule_triton(*inputs, arena.state, torch.tensor(2, dtype=torch.int32, device=DEVICE))
     assert torch.equal(arena.buffer, arena.original)
@@ -420,7 +382,7 @@ def test_attention_prefill_matches_float64(layout, length, span, dtype, grouped,
 
 @on_gpu
 @pytest.mark.parametrize("layout", ["0.8b", "27b"])
-@pytest.mark.parametrize("length", [1, 16, 24, 64])
+@pytest.mark.parametrize("length", [1, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
     inputs, arena = gdn_inputs(length, GDN_LAYOUTS[layout], dtype, seed=length)
@@ -521,6 +483,5 @@ def test_the_launch_sweep_checks_every_configuration_against_the_default_and_tim
     out = tmp_path / "sweep.json"
     assert sweep.main(["tiny", "2", "--sweep", "--repeats", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == len(sweep.sweep_configs(16, 2)) and sum(r["default"] for r in rows) == 1
-    assert {r["config"][2] for r in rows} == set(delta_rule.FORMS)
+    assert len(rows) == len(sweep.sweep_configs(16)) and sum(r["default"] for r in rows) == 1
     assert all(r["correct"] and r["us"] > 0 for r in rows), [r for r in rows if not r["correct"]]

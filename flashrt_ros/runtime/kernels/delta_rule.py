@@ -228,91 +228,6 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
         tl.store(s_ptrs, s, mask=s_mask)
 
 
-SUBCHUNK = 16  # rows the chunked Triton kernel folds at once (tl.dot's smallest tile)
-
-
-@jit
-def _fold_dot(a, b):
-    """a @ b in full fp32 (the state is fp32: TF32's 10-bit mantissa would drift it)."""
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@jit
-def _gated_delta_rule_chunk_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head,
-                                   a_ptr, a_row, a_head, b_ptr, b_row, b_head, a_log_ptr, dt_bias_ptr,
-                                   s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, length, dk, dv, scale, eps,
-                                   GROUPS: tl.constexpr, HAS_COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
-                                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One program per (value head, block of BLOCK_V value columns), as the recurrent kernel, but the real rows are
-    folded BLOCK_T at a time in the WY / UT form of :func:`delta_rule_chunked`: a row no longer waits on the row
-    before it, each fold is a few small matrix products. The unit lower-triangular system is inverted by forward
-    substitution, a row of the [BLOCK_T, BLOCK_T] inverse at a time (as solve_triangular does; the product form
-    (I - N)(I + N^2)... loses digits to cancellation when the keys repeat). The fold width is fixed, so n real rows
-    give the same bytes in any bucket: rows past the count are zeroed before any arithmetic (inert: g = beta = 0,
-    q = k = v = 0), folds past it are not run, and their output rows are zero."""
-    head = tl.program_id(0)
-    key_head = head // GROUPS
-    keys = tl.arange(0, BLOCK_K)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    key_mask, col_mask = keys < dk, cols < dv
-    s_ptrs = s_ptr + head * s_head + keys[:, None] * s_key + cols[None, :]
-    s_mask = key_mask[:, None] & col_mask[None, :]
-    s = tl.load(s_ptrs, mask=s_mask, other=0.0)
-    neg_a = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
-    real = length
-    if HAS_COUNT:
-        real = tl.minimum(tl.load(count_ptr).to(tl.int32), length)
-    within = tl.arange(0, BLOCK_T)
-    lower = within[:, None] >= within[None, :]
-    strict = within[:, None] > within[None, :]
-    identity = tl.where(within[:, None] == within[None, :], 1.0, 0.0)
-    last = within == BLOCK_T - 1
-    out_ptrs = out_ptr + head * dv + cols[None, :]
-    for start in range(0, real, BLOCK_T):
-        rows = start + within
-        live = rows < real
-        key_live, col_live = live[:, None] & key_mask[None, :], live[:, None] & col_mask[None, :]
-        q = tl.load(q_ptr + rows[:, None] * q_row + key_head * q_head + keys[None, :], mask=key_live,
-                    other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + rows[:, None] * k_row + key_head * k_head + keys[None, :], mask=key_live,
-                    other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + rows[:, None] * v_row + head * v_head + cols[None, :], mask=col_live,
-                    other=0.0).to(tl.float32)
-        a = tl.load(a_ptr + rows * a_row + head * a_head, mask=live, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + rows * b_row + head * b_head, mask=live, other=0.0).to(tl.float32)
-        x = a + dt_bias
-        softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))  # torch's threshold
-        g = tl.where(live, neg_a * softplus, 0.0)
-        beta = tl.where(live, round_like(tl.sigmoid(b), b_ptr), 0.0)
-        q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + eps) * scale)[:, None]
-        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + eps)[:, None]
-        decay = tl.cumsum(g, axis=0)                                   # log decay from the fold's start
-        end = tl.sum(tl.where(last, decay, 0.0), axis=0)              # the fold's whole log decay
-        pair = tl.where(lower, tl.exp(decay[:, None] - decay[None, :]), 0.0)
-        k_beta = k * beta[:, None]
-        nilpotent = tl.where(strict, _fold_dot(k_beta, tl.trans(k)) * pair, 0.0)
-        inverse = identity
-        for i in tl.static_range(1, BLOCK_T):                         # row i: e_i - N[i, :i] @ inverse[:i]
-            at_i = within[:, None] == i
-            n_row = tl.sum(tl.where(at_i, nilpotent, 0.0), axis=0)
-            inverse = tl.where(at_i, inverse - tl.sum(n_row[:, None] * inverse, axis=0)[None, :], inverse)
-        u = _fold_dot(inverse, v * beta[:, None])
-        w = _fold_dot(inverse, k_beta * tl.exp(decay)[:, None])
-        v_new = u - _fold_dot(w, s)
-        intra = _fold_dot(q, tl.trans(k)) * pair
-        out = _fold_dot(q * tl.exp(decay)[:, None], s) + _fold_dot(intra, v_new)
-        out = tl.where(live[:, None], round_like(out, out_ptr), 0.0)
-        tl.store(out_ptrs + rows[:, None] * out_row, out.to(out_ptr.dtype.element_ty),
-                 mask=(rows < length)[:, None] & col_mask[None, :])
-        s = s * tl.exp(end) + _fold_dot(tl.trans(k * tl.exp(end - decay)[:, None]), v_new)
-    for start in range((real + BLOCK_T - 1) // BLOCK_T * BLOCK_T, length, BLOCK_T):
-        rows = start + within
-        tl.store(out_ptrs + rows[:, None] * out_row, tl.zeros([BLOCK_T, BLOCK_V], out_ptr.dtype.element_ty),
-                 mask=(rows < length)[:, None] & col_mask[None, :])
-    tl.store(s_ptrs, s, mask=s_mask)
-
-
 # State elements per program up to which 4 warps hold the block and the joint reduction's product without spilling
 # (at dk 128). On an H100 (bench/time_delta_rule.py, h100_8fe1adb/delta_rule_ab.txt) the joint reduction took the
 # 0.8B's 128 x 16 blocks from 1.17 to 0.99 us a row of a 24-row piece; on the 27B's 128 x 32 blocks (8 warps) it went
@@ -320,33 +235,26 @@ def _gated_delta_rule_chunk_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v
 SMALL_STATE_BLOCK = 2048
 
 
-FORMS = ("joint", "two", "chunked")
-
-
 class DeltaRuleConfig(NamedTuple):
-    """How the kernel is launched: value columns per program, warps, and the form: the recurrence row by row with
-    a row's two reductions over the state as one ("joint", JOINT in the kernel) or in turn ("two"), or the rows
-    folded SUBCHUNK at a time ("chunked": pieces only, value blocks of >= 16 columns for tl.dot)."""
+    """How the recurrent kernel is launched: value columns per program, warps, and whether a row's two reductions
+    over the state run as one (JOINT in the kernel)."""
     block_v: int
     num_warps: int
-    form: str
+    joint: bool
 
 
-def launch_config(v_heads: int, dk: int, dv: int, piece: bool = False) -> DeltaRuleConfig:
+def launch_config(v_heads: int, dk: int, dv: int) -> DeltaRuleConfig:
     """The value block: the widest of 64/32/16 that still gives >= 128 programs (an H200 has 132 SMs; a decode step
-    is one token, so parallelism comes only from heads x column blocks). A piece of several rows is folded
-    ("chunked", 4 warps); one row at a time, small state blocks take 4 warps and the joint reduction, larger ones 8
-    warps and two reductions (SMALL_STATE_BLOCK). ``bench/time_delta_rule.py --sweep`` times the alternatives on a
-    GPU."""
+    is one token, so parallelism comes only from heads x column blocks); small state blocks take 4 warps and the
+    joint reduction, larger ones 8 warps and two reductions (SMALL_STATE_BLOCK). ``bench/time_delta_rule.py
+    --sweep`` times the alternatives on a GPU."""
     block_v = min(16, triton.next_power_of_2(dv))
     for block in (64, 32):
         if v_heads * triton.cdiv(dv, block) >= 128:
             block_v = min(block, triton.next_power_of_2(dv))
             break
-    if piece:
-        return DeltaRuleConfig(max(block_v, SUBCHUNK), 4, "chunked")
     small = triton.next_power_of_2(dk) * block_v <= SMALL_STATE_BLOCK
-    return DeltaRuleConfig(block_v, 4, "joint") if small else DeltaRuleConfig(block_v, 8, "two")
+    return DeltaRuleConfig(block_v, 4 if small else 8, small)
 
 
 def gated_delta_rule_rows(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -364,11 +272,10 @@ def gated_delta_rule_rows(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, ro
 
 def gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, count: torch.Tensor | None = None,
                             config: DeltaRuleConfig | None = None) -> torch.Tensor:
-    """:func:`gated_delta_rule_reference` in one launch, as the reference does it: one row (decode) by the
-    recurrence, a piece of several rows folded SUBCHUNK rows at a time (meant for L <= 64, the small pieces; long
-    pieces belong to fla-core). Same contract; q, k, v, a, b may be strided views (unit last stride); the state
-    [Hv, dk, dv] fp32 needs unit last stride. ``count`` is read on the device; ``config`` replaces
-    :func:`launch_config`'s (a sweep)."""
+    """:func:`gated_delta_rule_reference` in one launch: a recurrence over the L rows (meant for L <= 64: decode and
+    short pieces; long pieces belong to the chunked kernels). Same contract; q, k, v, a, b may be strided views
+    (unit last stride); the state [Hv, dk, dv] fp32 needs unit last stride. ``count`` is read on the device;
+    ``config`` replaces :func:`launch_config`'s (a sweep)."""
     return _gated_delta_rule_launch("gated_delta_rule_triton", q, k, v, a, b, A_log, dt_bias, state, count, None,
                                     config)
 
@@ -400,21 +307,14 @@ def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, ro
     require(a.shape == b.shape == (length, v_heads) and A_log.shape == dt_bias.shape == (v_heads,), op,
             f"a, b must be [L, Hv] = {(length, v_heads)} and A_log, dt_bias [Hv]")
     require(state.shape == (v_heads, dk, dv), op, f"state must be {(v_heads, dk, dv)}, got {tuple(state.shape)}")
-    config = config or launch_config(v_heads, dk, dv, piece=length > 1 and rows is None)
-    require(config.form in FORMS and (config.form != "chunked" or (rows is None and config.block_v >= SUBCHUNK)),
-            op, f"{config}: the form is one of {FORMS}; a chunked launch keeps no row states and takes value blocks "
-            f"of >= {SUBCHUNK}")
     out = torch.empty(length, v_heads, dv, dtype=v.dtype, device=v.device)
+    config = config or launch_config(v_heads, dk, dv)
     grid = (v_heads, triton.cdiv(dv, config.block_v))
-    common = (q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
-              a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), A_log, dt_bias,
-              state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count)
-    shape = (length, dk, dv, dk ** -0.5, 1e-6)
-    sizes = dict(GROUPS=v_heads // k_heads, HAS_COUNT=count is not None, BLOCK_K=triton.next_power_of_2(dk),
-                 BLOCK_V=config.block_v, num_warps=config.num_warps)
-    if config.form == "chunked":
-        _gated_delta_rule_chunk_kernel[grid](*common, *shape, BLOCK_T=SUBCHUNK, **sizes)
-    else:
-        _gated_delta_rule_kernel[grid](*common, state if rows is None else rows, 0 if rows is None else rows.stride(0),
-                                       *shape, STORE_ROWS=rows is not None, JOINT=config.form == "joint", **sizes)
+    _gated_delta_rule_kernel[grid](
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+        a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), A_log, dt_bias,
+        state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count,
+        state if rows is None else rows, 0 if rows is None else rows.stride(0), length, dk, dv, dk ** -0.5, 1e-6,
+        GROUPS=v_heads // k_heads, HAS_COUNT=count is not None, STORE_ROWS=rows is not None,
+        JOINT=config.joint, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=config.block_v, num_warps=config.num_warps)
     return out
