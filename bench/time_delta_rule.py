@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import delta_rule  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
-from flashrt_ros.tools.timing import time_calls_us  # noqa: E402
+from flashrt_ros.tools.timing import fastest_line, sweep_launches  # noqa: E402
 
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
 
@@ -47,30 +47,25 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator(device=device).manual_seed(0)
     hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
-    default = delta_rule.launch_config(hv, dk, dv)
     rows = []
     for length in map(int, args.lengths.split(",")):
+        default = delta_rule.launch_config(hv, dk, dv, piece=length > 1)
         def rand(*shape):
             return torch.randn(*shape, device=device, generator=generator).to(dtype)
         inputs = (rand(length, hk, dk), rand(length, hk, dk), rand(length, hv, dv), rand(length, hv),
                   rand(length, hv), torch.zeros(hv, device=device), torch.ones(hv, device=device))
         state, scratch = torch.zeros(hv, dk, dv, device=device), torch.zeros(hv, dk, dv, device=device)
-        want = delta_rule.gated_delta_rule_triton(*inputs, state.clone(), config=default)
-        for config in [default] + ([c for c in sweep_configs(dv) if c != default] if args.sweep else []):
-            out = delta_rule.gated_delta_rule_triton(*inputs, state.clone(), config=config)
-            correct = bool((out.float() - want.float()).abs().max() <= TOLERANCE * want.float().abs().max())
-            us = time_calls_us(device, [lambda c=config: delta_rule.gated_delta_rule_triton(
-                *inputs, scratch, config=c)], args.repeats) if correct else None      # the timed calls update it
-            rows.append({"length": length, "config": list(config), "default": config == default, "us": us,
-                         "correct": correct})
-            if config == default:
-                print(f"{args.preset} delta rule {length:3d} rows: {us:8.2f} us a launch, {us / length:6.3f} us a "
-                      f"row ({tuple(config)})", flush=True)
+        found = sweep_launches(
+            device, default, sweep_configs(dv) if args.sweep else [],
+            lambda c: delta_rule.gated_delta_rule_triton(*inputs, state.clone(), config=c),
+            lambda c: lambda: delta_rule.gated_delta_rule_triton(*inputs, scratch, config=c),  # updates it
+            args.repeats, TOLERANCE)
+        us = found[0]["us"]
+        print(f"{args.preset} delta rule {length:3d} rows: {us:8.2f} us a launch, {us / length:6.3f} us a row "
+              f"({tuple(default)})", flush=True)
         if args.sweep:
-            timed = sorted((r for r in rows if r["length"] == length and r["us"] is not None), key=lambda r: r["us"])
-            wrong = [tuple(r["config"]) for r in rows if r["length"] == length and not r["correct"]]
-            print(f"  fastest of {len(timed)}: " + ", ".join(f"{tuple(r['config'])} {r['us']:.2f} us"
-                                                           for r in timed[:5]) + (f"; wrong: {wrong}" if wrong else ""))
+            print(fastest_line(found))
+        rows += [{"length": length, **row} for row in found]
     if args.out:
         provenance.write_result(args.out, {"preset": args.preset, "rows": rows}, device.type)
     return 0

@@ -98,3 +98,27 @@ def time_calls_us(device: torch.device, calls: Sequence[Callable[[], object]], r
     run()
     samples = [timed(device, run)[1] for _ in range(repeats)]
     return 1000.0 * statistics.median(samples) / count
+
+
+def sweep_launches(device: torch.device, default: tuple, candidates: Sequence[tuple],
+                   output: Callable[[tuple], torch.Tensor], call: Callable[[tuple], Callable[[], object]],
+                   repeats: int, tolerance: float) -> list[dict]:
+    """A kernel's launch configurations: ``default`` and then every other of ``candidates``, each one's
+    ``output(launch)`` checked against the default's (largest difference <= ``tolerance`` x the largest magnitude:
+    another summation order, not another result) and the correct ones timed as ``call(launch)`` with
+    :func:`time_calls_us`. One row each: config, default, us (None when wrong), correct."""
+    want = output(default).float()
+    rows = []
+    for launch in [default] + [c for c in candidates if c != default]:
+        correct = bool((output(launch).float() - want).abs().max() <= tolerance * want.abs().max())
+        us = time_calls_us(device, [call(launch)], repeats) if correct else None
+        rows.append({"config": list(launch), "default": launch == default, "us": us, "correct": correct})
+    return rows
+
+
+def fastest_line(rows: Sequence[dict], shown: int = 5) -> str:
+    """The fastest of :func:`sweep_launches`'s rows, and the wrong ones."""
+    timed = sorted((r for r in rows if r["us"] is not None), key=lambda r: r["us"])
+    wrong = [tuple(r["config"]) for r in rows if not r["correct"]]
+    return (f"  fastest of {len(timed)}: " + ", ".join(f"{tuple(r['config'])} {r['us']:.2f} us" for r in timed[:shown])
+            + (f"; wrong: {wrong}" if wrong else ""))

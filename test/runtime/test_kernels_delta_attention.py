@@ -145,6 +145,7 @@ def test_gated_delta_rule_triton_matches_float64_under_any_launch_config(config)
 def test_the_launch_rule_gives_small_blocks_the_joint_reduction_and_large_ones_two(layout, want):
     _, v_heads, dk, dv = GDN_LAYOUTS[layout]
     assert tuple(delta_rule.launch_config(v_heads, dk, dv)) == want
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True)) == (4, 1, False)
 
 
 def poison_rows(inputs, count):
@@ -161,21 +162,27 @@ def poison_rows(inputs, count):
 @needs_triton
 @pytest.mark.parametrize("seed", range(4))
 def test_gated_delta_rule_padding_rows_leave_the_state_as_if_absent(seed):
-    """A piece of n real rows padded to a bucket: the Triton kernel gives the bytes of the same kernel on the n rows
-    (state and outputs), and zero output rows for the padding."""
+    """A piece of n >= 2 real rows padded to a bucket: the Triton kernel gives the bytes of the same kernel on the n
+    rows (state and outputs), and zero output rows for the padding. One real row in a bucket is launched as a piece,
+    one row alone as a decode step (``launch_config``: other blocks and warps, so another summation order): equal
+    within rounding only."""
     g = gen(100 + seed)
     layout = GDN_LAYOUTS["tiny"] if seed % 2 else (1, 3, 32, 32)      # the 27B preset's 3 value heads per key head
     bucket = (8, 16, 5, 64)[seed]
-    n = int(torch.randint(1, bucket + 1, (1,), generator=g))
-    inputs, arena = gdn_inputs(bucket, layout, torch.bfloat16, seed=200 + seed)
-    padded = poison_rows(inputs, n)
-    unpadded_state = arena.state.clone()
-    unpadded = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs), unpadded_state)
-    out = delta_rule.gated_delta_rule_triton(*padded, arena.state, torch.tensor(n, device=DEVICE))
-    assert torch.equal(arena.state, unpadded_state), f"n={n} of {bucket}"
-    assert torch.equal(out[:n], unpadded)
-    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
-    assert arena.outside_untouched()
+    for n in sorted({1, 2, int(torch.randint(2, bucket + 1, (1,), generator=g)), bucket}):
+        inputs, arena = gdn_inputs(bucket, layout, torch.bfloat16, seed=200 + seed + n)
+        unpadded_state = arena.state.clone()
+        unpadded = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs),
+                                                      unpadded_state)
+        out = delta_rule.gated_delta_rule_triton(*poison_rows(inputs, n), arena.state, torch.tensor(n, device=DEVICE))
+        assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+        assert arena.outside_untouched()
+        if n == 1:
+            assert rel(arena.state, unpadded_state) <= STATE_TOLERANCE
+            assert rel(out[:1], unpadded) <= TOLERANCE[torch.bfloat16]
+        else:
+            assert torch.equal(arena.state, unpadded_state), f"n={n} of {bucket}"
+            assert torch.equal(out[:n], unpadded), f"n={n} of {bucket}"
 
 
 @pytest.mark.parametrize("bucket", [8, 16, 64])
@@ -382,7 +389,7 @@ def test_attention_prefill_matches_float64(layout, length, span, dtype, grouped,
 
 @on_gpu
 @pytest.mark.parametrize("layout", ["0.8b", "27b"])
-@pytest.mark.parametrize("length", [1, 16, 64])
+@pytest.mark.parametrize("length", [1, 16, 24, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
     inputs, arena = gdn_inputs(length, GDN_LAYOUTS[layout], dtype, seed=length)
@@ -485,3 +492,27 @@ def test_the_launch_sweep_checks_every_configuration_against_the_default_and_tim
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == len(sweep.sweep_configs(16)) and sum(r["default"] for r in rows) == 1
     assert all(r["correct"] and r["us"] > 0 for r in rows), [r for r in rows if not r["correct"]]
+
+
+@needs_triton
+def test_the_attention_sweep_checks_every_configuration_against_the_default_and_times_the_correct_ones(tmp_path):
+    """bench/time_attention.py --sweep: every tile, key block, split count and warp count of the tiny shape computes
+    the default's output, and each is timed once per length; a launch whose tile cannot hold a row's heads is
+    refused."""
+    import json
+
+    import bench_scripts
+    sweep = bench_scripts.load("time_attention")
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["tiny", "1,9", "--context", "40", "--sweep", "--repeats", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    groups = 2                                                                 # the tiny preset: 4 heads, 2 KV heads
+    for length in (1, 9):
+        mine = [r for r in rows if r["length"] == length]
+        assert len(mine) == len(sweep.sweep_configs(length, groups)) and sum(r["default"] for r in mine) == 1
+    assert {r["config"][0] for r in rows if r["length"] == 9} == {16, 32}       # 9 rows x 2 heads fit 32
+    assert all(r["correct"] and r["us"] > 0 for r in rows), [r for r in rows if not r["correct"]]
+    q, gate, cache = attention_inputs(1, 8, ATTENTION_LAYOUTS["tiny"], torch.float32, seed=1)
+    with pytest.raises(LayoutError, match="a tile needs"):
+        attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], torch.tensor([3], device=DEVICE), gate,
+                                          launch=attention.AttentionLaunch(8, 32, 256, 4))

@@ -4,6 +4,8 @@ and a prefill entry point that keeps K/V unrepeated (:func:`attention_prefill`, 
 :func:`attention_causal`)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
@@ -174,29 +176,46 @@ COMBINE_DIMS = 64      # head dims per combine program: a one-token step has onl
                        # the 0.8B), each loading every split's whole partial ([32, 64] fp32: 16 registers a thread)
 
 
-def _decode_plan(length: int, kv_heads: int, groups: int, span: int, dim: int) -> dict:
-    """Static tile sizes for a launch (they depend on shapes only, so one captured graph serves every position)."""
+class AttentionLaunch(NamedTuple):
+    """How the split kernel is launched: query rows x heads per tile (BLOCK_M), keys per block (BLOCK_N), the split
+    programs aimed at, and warps."""
+    block_m: int
+    block_n: int
+    target_programs: int
+    num_warps: int
+
+
+def launch_config(length: int, groups: int, dim: int) -> AttentionLaunch:
+    """One query row's GROUPS heads in a tile of >= 16 rows (tl.dot's least); several rows packed into up to 32
+    (head dim > 128) or 64 rows; 64 keys a block (32 past head dim 128); 8 warps from 8192 tile elements (no spills
+    on sm_90). ``bench/time_attention.py --sweep`` times the alternatives on a GPU."""
     block_d = triton.next_power_of_2(dim)
-    block_m = max(16, triton.next_power_of_2(groups))             # tl.dot needs >= 16 rows
-    if length * groups > block_m:                                  # several query rows: pack more of them per tile
+    block_m = max(16, triton.next_power_of_2(groups))
+    if length * groups > block_m:
         block_m = min(32 if block_d > 128 else 64, triton.next_power_of_2(length * groups))
-    rows = max(1, block_m // groups)
-    block_n = 64 if block_d <= 128 else 32
+    return AttentionLaunch(block_m, 64 if block_d <= 128 else 32, TARGET_PROGRAMS,
+                           8 if block_m * block_d >= 8192 else 4)
+
+
+def _decode_plan(length: int, kv_heads: int, groups: int, span: int, dim: int, launch: AttentionLaunch) -> dict:
+    """Static tile sizes for a launch (they depend on shapes only, so one captured graph serves every position)."""
+    rows = max(1, launch.block_m // groups)
     row_blocks = triton.cdiv(length, rows)
-    wanted = triton.cdiv(TARGET_PROGRAMS, row_blocks * kv_heads)
-    split = max(block_n, triton.next_power_of_2(triton.cdiv(span, wanted)))
-    return dict(rows=rows, row_blocks=row_blocks, block_m=block_m, block_n=block_n, block_d=block_d, split=split,
-                splits=triton.cdiv(span, split), warps=8 if block_m * block_d >= 8192 else 4)  # no spills on sm_90
+    wanted = triton.cdiv(launch.target_programs, row_blocks * kv_heads)
+    split = max(launch.block_n, triton.next_power_of_2(triton.cdiv(span, wanted)))
+    return dict(rows=rows, row_blocks=row_blocks, block_m=launch.block_m, block_n=launch.block_n,
+                block_d=triton.next_power_of_2(dim), split=split, splits=triton.cdiv(span, split),
+                warps=launch.num_warps)
 
 
 def attention_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                            gate: torch.Tensor) -> torch.Tensor:
+                            gate: torch.Tensor, launch: AttentionLaunch | None = None) -> torch.Tensor:
     """:func:`attention_decode_reference` as flash decoding: the bucket's keys are cut into splits, one program per
     (rows, KV head, split), and a second kernel merges the splits' partial softmaxes and applies the output gate.
     Splits past a row's position cost one position load, so the work follows the live position, not the bucket.
     q, gate: [L, H, D]; keys/values: [T, Hkv, D] (row views of the cache: any row and head strides, unit last
     stride); positions: [L] int64 on the device, each < T. Scores and softmax in fp32. Returns [L, H, D] contiguous
-    in q's dtype."""
+    in q's dtype. ``launch`` replaces :func:`launch_config`'s (a sweep)."""
     op = "attention_decode_triton"
     require_launchable(op, q, keys, values, positions, gate)
     for name, t in (("q", q), ("keys", keys), ("values", values), ("gate", gate)):
@@ -212,7 +231,10 @@ def attention_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
             f"L positions and a gate shaped as q")
     require(dim >= 16, op, f"head dim must be >= 16 (tl.dot), got {dim}")
     groups = heads // kv_heads
-    plan = _decode_plan(length, kv_heads, groups, span, dim)
+    launch = launch or launch_config(length, groups, dim)
+    require(launch.block_m >= max(16, groups) and launch.block_n >= 16, op,
+            f"{launch}: a tile needs >= 16 rows holding one row's {groups} heads, and >= 16 keys")
+    plan = _decode_plan(length, kv_heads, groups, span, dim, launch)
     splits = plan["splits"]
     acc = torch.empty(length, heads, splits, dim, dtype=torch.float32, device=q.device)
     maxes = torch.empty(length, heads, splits, dtype=torch.float32, device=q.device)

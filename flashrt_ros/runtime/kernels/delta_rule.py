@@ -243,11 +243,23 @@ class DeltaRuleConfig(NamedTuple):
     joint: bool
 
 
-def launch_config(v_heads: int, dk: int, dv: int) -> DeltaRuleConfig:
-    """The value block: the widest of 64/32/16 that still gives >= 128 programs (an H200 has 132 SMs; a decode step
-    is one token, so parallelism comes only from heads x column blocks); small state blocks take 4 warps and the
+# A piece's launch: PIECE_BLOCK_V value columns and one warp a program, two reductions a row. A piece's rows are
+# serial, so the row's latency is what counts: within one warp a reduction needs no barrier, and narrow blocks give
+# the many programs that keep the SMs busy. On an H100 (h100_d9b7208/delta_rule_sweep_*.json, 24 rows) it took the
+# 0.8B's launch from 23.9 us (the decode launch, 16 columns, 4 warps, joint) to 16.6, the 27B's from 49.9 (32, 8
+# warps, two) to 24.3; the fastest of every swept configuration were 16.6 and 23.6. At one row it is slower (3.95
+# against 2.91 us on the 0.8B): decode keeps the rule below.
+PIECE_BLOCK_V = 4
+
+
+def launch_config(v_heads: int, dk: int, dv: int, piece: bool = False) -> DeltaRuleConfig:
+    """A piece of several rows (``piece``): PIECE_BLOCK_V columns, one warp, two reductions. One row (decode, and
+    each row of a verify's rows kernel): the value block is the widest of 64/32/16 that still gives >= 128 programs
+    (an H200 has 132 SMs; parallelism comes only from heads x column blocks); small state blocks take 4 warps and the
     joint reduction, larger ones 8 warps and two reductions (SMALL_STATE_BLOCK). ``bench/time_delta_rule.py
     --sweep`` times the alternatives on a GPU."""
+    if piece:
+        return DeltaRuleConfig(min(PIECE_BLOCK_V, triton.next_power_of_2(dv)), 1, False)
     block_v = min(16, triton.next_power_of_2(dv))
     for block in (64, 32):
         if v_heads * triton.cdiv(dv, block) >= 128:
@@ -308,7 +320,7 @@ def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, ro
             f"a, b must be [L, Hv] = {(length, v_heads)} and A_log, dt_bias [Hv]")
     require(state.shape == (v_heads, dk, dv), op, f"state must be {(v_heads, dk, dv)}, got {tuple(state.shape)}")
     out = torch.empty(length, v_heads, dv, dtype=v.dtype, device=v.device)
-    config = config or launch_config(v_heads, dk, dv)
+    config = config or launch_config(v_heads, dk, dv, piece=length > 1 and rows is None)
     grid = (v_heads, triton.cdiv(dv, config.block_v))
     _gated_delta_rule_kernel[grid](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),

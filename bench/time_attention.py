@@ -1,0 +1,77 @@
+"""The decode attention kernel's device time per launch (split kernel and combine), at the decode step's length
+(1 row) and the capsule suffix piece's (24 rows), the rows' positions at the end of a long context, for a preset's
+attention shape:
+
+    python3 bench/time_attention.py [PRESET] [LENGTHS] [--context N] [--sweep] [--out FILE]
+
+(default qwen3.5-0.8b 1,24 at 16384), one line per length with the kernel's own launch configuration
+(``attention.launch_config``). ``--sweep`` also times tiles of 16..64 query rows x heads, 32 or 64 keys a block,
+128..1024 split programs and 4 or 8 warps, each checked against the default configuration's output, and prints the
+fastest per length."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from flashrt_ros.runtime.config import PRESETS  # noqa: E402
+from flashrt_ros.runtime.kernels import attention  # noqa: E402
+from flashrt_ros.tools import provenance  # noqa: E402
+from flashrt_ros.tools.timing import fastest_line, sweep_launches  # noqa: E402
+
+TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
+
+
+def sweep_configs(length: int, groups: int) -> list[attention.AttentionLaunch]:
+    """Tiles that hold one row's heads and no more rows than the piece has."""
+    most = max(16, 1 << (length * groups - 1).bit_length())
+    return [attention.AttentionLaunch(*c) for c in itertools.product((16, 32, 64), (32, 64), (128, 256, 512, 1024),
+                                                                       (4, 8))
+            if groups <= c[0] <= most]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("preset", nargs="?", default="qwen3.5-0.8b")
+    parser.add_argument("lengths", nargs="?", default="1,24")
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    cfg = PRESETS[args.preset]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    generator = torch.Generator(device=device).manual_seed(0)
+    heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    groups = heads // kv_heads
+    rows = []
+    for length in map(int, args.lengths.split(",")):
+        span = -(-(args.context + length) // 64) * 64                   # a KV bucket holding every row's position
+        q, gate = (torch.randn(length, heads, dim, device=device, generator=generator).to(dtype) for _ in range(2))
+        cache = torch.randn(span, 2, kv_heads, dim, device=device, generator=generator).to(dtype)
+        positions = torch.arange(args.context, args.context + length, device=device)
+        inputs = (q, cache[:, 0], cache[:, 1], positions, gate)
+        default = attention.launch_config(length, groups, dim)
+        found = sweep_launches(
+            device, default, sweep_configs(length, groups) if args.sweep else [],
+            lambda c: attention.attention_decode_triton(*inputs, launch=c),
+            lambda c: lambda: attention.attention_decode_triton(*inputs, launch=c), args.repeats, TOLERANCE)
+        us = found[0]["us"]
+        print(f"{args.preset} attention {length:3d} rows at {args.context}: {us:8.2f} us a launch "
+              f"({tuple(default)})", flush=True)
+        if args.sweep:
+            print(fastest_line(found))
+        rows += [{"length": length, "context": args.context, **row} for row in found]
+    if args.out:
+        provenance.write_result(args.out, {"preset": args.preset, "rows": rows}, device.type)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
