@@ -5,9 +5,10 @@ attention shape:
     python3 bench/time_attention.py [PRESET] [LENGTHS] [--context N] [--sweep] [--out FILE]
 
 (default qwen3.5-0.8b 1,24 at 16384), one line per length with the kernel's own launch configuration
-(``attention.launch_config``). ``--sweep`` also times tiles of 16..64 query rows x heads, 32 or 64 keys a block,
-128..1024 split programs and 4 or 8 warps, each checked against the default configuration's output, and prints the
-fastest per length."""
+(``attention.launch_config``), the keys and values read from device memory as in a step (copies of the cache past
+the L2). ``--sweep`` also times tiles of 16..64 query rows x heads, 32 or 64 keys a block, 128..1024 split
+programs and 4 or 8 warps, each checked against the default configuration's output, and prints the fastest per
+length."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ import torch  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import attention  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
-from flashrt_ros.tools.timing import fastest_line, sweep_launches  # noqa: E402
+from flashrt_ros.tools.timing import fastest_line, sweep_launches, weight_copies  # noqa: E402
 
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
 
@@ -55,13 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         span = -(-(args.context + length) // 64) * 64                   # a KV bucket holding every row's position
         q, gate = (torch.randn(length, heads, dim, device=device, generator=generator).to(dtype) for _ in range(2))
         cache = torch.randn(span, 2, kv_heads, dim, device=device, generator=generator).to(dtype)
+        caches = weight_copies(device, (cache,))             # each timed call reads its keys from device memory
         positions = torch.arange(args.context, args.context + length, device=device)
-        inputs = (q, cache[:, 0], cache[:, 1], positions, gate)
         default = attention.launch_config(length, groups, dim)
+
+        def attend(cache, launch):
+            return attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions, gate, launch=launch)
         found = sweep_launches(
-            device, default, sweep_configs(length, groups) if args.sweep else [],
-            lambda c: attention.attention_decode_triton(*inputs, launch=c),
-            lambda c: lambda: attention.attention_decode_triton(*inputs, launch=c), args.repeats, TOLERANCE)
+            device, default, sweep_configs(length, groups) if args.sweep else [], lambda c: attend(cache, c),
+            lambda c: [lambda k=k: attend(k, c) for k, in caches], args.repeats, TOLERANCE)
         us = found[0]["us"]
         print(f"{args.preset} attention {length:3d} rows at {args.context}: {us:8.2f} us a launch "
               f"({tuple(default)})", flush=True)

@@ -4,7 +4,7 @@ suffix piece's (24 rows), for a preset's DeltaNet shape:
     python3 bench/time_delta_rule.py [PRESET] [LENGTHS] [--sweep] [--out FILE]
 
 (default qwen3.5-0.8b 1,24), one line per length with the kernels' own launch configuration
-(``delta_rule.launch_config``). ``--sweep`` also times every value block (4..64 columns), warp count (1..8) and
+(``delta_rule.launch_config``), the state read from device memory as in a step (copies of it past the L2). ``--sweep`` also times every value block (4..64 columns), warp count (1..8) and
 reduction (one joint or two in turn), each checked against the default configuration's output, and prints the
 fastest per length. A/B two versions of the kernel in one sitting by running it before and after swapping the
 module."""
@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import delta_rule  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
-from flashrt_ros.tools.timing import fastest_line, sweep_launches  # noqa: E402
+from flashrt_ros.tools.timing import fastest_line, sweep_launches, weight_copies  # noqa: E402
 
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
 
@@ -54,11 +54,12 @@ def main(argv: list[str] | None = None) -> int:
             return torch.randn(*shape, device=device, generator=generator).to(dtype)
         inputs = (rand(length, hk, dk), rand(length, hk, dk), rand(length, hv, dv), rand(length, hv),
                   rand(length, hv), torch.zeros(hv, device=device), torch.ones(hv, device=device))
-        state, scratch = torch.zeros(hv, dk, dv, device=device), torch.zeros(hv, dk, dv, device=device)
+        state = torch.zeros(hv, dk, dv, device=device)
+        scratch = weight_copies(device, (state.clone(),))  # the timed calls update them, each from device memory
         found = sweep_launches(
             device, default, sweep_configs(dv) if args.sweep else [],
             lambda c: delta_rule.gated_delta_rule_triton(*inputs, state.clone(), config=c),
-            lambda c: lambda: delta_rule.gated_delta_rule_triton(*inputs, scratch, config=c),  # updates it
+            lambda c: [lambda s=s: delta_rule.gated_delta_rule_triton(*inputs, s, config=c) for s, in scratch],
             args.repeats, TOLERANCE)
         us = found[0]["us"]
         print(f"{args.preset} delta rule {length:3d} rows: {us:8.2f} us a launch, {us / length:6.3f} us a row "

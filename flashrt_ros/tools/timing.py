@@ -101,17 +101,18 @@ def time_calls_us(device: torch.device, calls: Sequence[Callable[[], object]], r
 
 
 def sweep_launches(device: torch.device, default: tuple, candidates: Sequence[tuple],
-                   output: Callable[[tuple], torch.Tensor], call: Callable[[tuple], Callable[[], object]],
+                   output: Callable[[tuple], torch.Tensor], calls: Callable[[tuple], Sequence[Callable[[], object]]],
                    repeats: int, tolerance: float) -> list[dict]:
     """A kernel's launch configurations: ``default`` and then every other of ``candidates``, each one's
     ``output(launch)`` checked against the default's (largest difference <= ``tolerance`` x the largest magnitude:
-    another summation order, not another result) and the correct ones timed as ``call(launch)`` with
-    :func:`time_calls_us`. One row each: config, default, us (None when wrong), correct."""
+    another summation order, not another result) and the correct ones timed as ``calls(launch)`` (one per copy of
+    the data the kernel reads from memory, :func:`weight_copies`) with :func:`time_calls_us`. One row each: config,
+    default, us (None when wrong), correct."""
     want = output(default).float()
     rows = []
     for launch in [default] + [c for c in candidates if c != default]:
         correct = bool((output(launch).float() - want).abs().max() <= tolerance * want.abs().max())
-        us = time_calls_us(device, [call(launch)], repeats) if correct else None
+        us = time_calls_us(device, calls(launch), repeats) if correct else None
         rows.append({"config": list(launch), "default": launch == default, "us": us, "correct": correct})
     return rows
 
