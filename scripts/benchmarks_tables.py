@@ -88,6 +88,35 @@ def _gemv_sass(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _gemv_fusions(results: list[dict]) -> str:
+    """bench/gemv_fusions.py's timings, a row per projection and fusion: the Triton GEMV with its input formed or its
+    residual added inside against the cuBLAS path's launches for the same product."""
+    lines = ["| preset | N x K | fusion | Triton GEMV us | cuBLAS path us | Triton / cuBLAS path |",
+             "|---|---|---|---:|---:|---:|"]
+    for r in results:
+        lines += [f"| {r['preset']} | {row['N']} x {row['K']} | {row['fusion']} | {row['triton_us']:.2f} | "
+                  f"{row['cublas_path_us']:.2f} | {row['triton_over_cublas_path']:.2f} |" for row in r["rows"]]
+    return "\n".join(lines)
+
+
+def _launch_sweep(results: list[dict]) -> str:
+    """bench/time_delta_rule.py's and bench/time_attention.py's sweeps, a row per file and length: the kernel's own
+    launch against the fastest correct one."""
+    lines = ["| kernel | preset | rows | own launch | us | fastest launch | us | own / fastest | wrong | commit |",
+             "|---|---|---:|---|---:|---|---:|---:|---:|---|"]
+    for r in results:
+        kernel = "attention" if "time_attention" in r["provenance"]["command"] else "delta rule"
+        commit = r["provenance"]["commit"][:7] + (" (dirty)" if r["provenance"].get("dirty") else "")
+        for length in sorted({row["length"] for row in r["rows"]}):
+            rows = [row for row in r["rows"] if row["length"] == length]
+            own = next(row for row in rows if row["default"])
+            best = min((row for row in rows if row["us"] is not None), key=lambda row: row["us"])
+            lines.append(f"| {kernel} | {r['preset']} | {length} | {tuple(own['config'])} | {own['us']:.2f} | "
+                         f"{tuple(best['config'])} | {best['us']:.2f} | {own['us'] / best['us']:.2f} | "
+                         f"{sum(not row['correct'] for row in rows)} of {len(rows)} | `{commit}` |")
+    return "\n".join(lines)
+
+
 def _engine_option(result: dict, flag: str, default: str) -> str:
     """An engine option a result was made with, read from its recorded command line."""
     words = result.get("provenance", {}).get("command", "").split()
@@ -127,7 +156,8 @@ KINDS = {"bench": _bench, "bench-quant": _bench_quant, "bench-quant-gemv": _benc
          "bench-image-ttft": _captioned(_markdown_of("bench_image_ttft")),
          "bench-constraint": _captioned(_markdown_of("bench_constraint")),
          "bench-spec": _captioned(_markdown_of("bench_spec")),
-         "dense-gemv-decode": _captioned(_dense_gemv_decode), "gemv-sass": _gemv_sass}
+         "dense-gemv-decode": _captioned(_dense_gemv_decode), "gemv-sass": _gemv_sass,
+         "launch-sweep": _launch_sweep, "gemv-fusions": _gemv_fusions}
 ALL_FILES_NEEDED = {"peer"}
 
 
