@@ -11,7 +11,6 @@ programs and 4 or 8 warps, each checked against the default configuration's outp
 length."""
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import attention  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
-from flashrt_ros.tools.timing import fastest_line, sweep_launches, weight_copies  # noqa: E402
+from flashrt_ros.tools.timing import fastest_line, sweep_arguments, sweep_launches, weight_copies  # noqa: E402
 
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
 
@@ -37,17 +36,9 @@ def sweep_configs(length: int, groups: int) -> list[attention.AttentionLaunch]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("preset", nargs="?", default="qwen3.5-0.8b")
-    parser.add_argument("lengths", nargs="?", default="1,24")
-    parser.add_argument("--context", type=int, default=16384)
-    parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
+    args, device, dtype = sweep_arguments(
+        __doc__, argv, lambda parser: parser.add_argument("--context", type=int, default=16384))
     cfg = PRESETS[args.preset]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator(device=device).manual_seed(0)
     heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     groups = heads // kv_heads

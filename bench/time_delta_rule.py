@@ -4,13 +4,13 @@ suffix piece's (24 rows), for a preset's DeltaNet shape:
     python3 bench/time_delta_rule.py [PRESET] [LENGTHS] [--sweep] [--out FILE]
 
 (default qwen3.5-0.8b 1,24), one line per length with the kernels' own launch configuration
-(``delta_rule.launch_config``), the state read from device memory as in a step (copies of it past the L2). ``--sweep`` also times every value block (4..64 columns), warp count (1..8) and
+(``delta_rule.launch_config``: a piece's, or decode's for one row), the state read from device memory as in a step
+(copies of it past the L2). ``--sweep`` also times every value block (4..64 columns), warp count (1..8) and
 reduction (one joint or two in turn), each checked against the default configuration's output, and prints the
 fastest per length. A/B two versions of the kernel in one sitting by running it before and after swapping the
 module."""
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import delta_rule  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
-from flashrt_ros.tools.timing import fastest_line, sweep_launches, weight_copies  # noqa: E402
+from flashrt_ros.tools.timing import fastest_line, sweep_arguments, sweep_launches, weight_copies  # noqa: E402
 
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
 
@@ -34,16 +34,8 @@ def sweep_configs(dv: int) -> list[delta_rule.DeltaRuleConfig]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("preset", nargs="?", default="qwen3.5-0.8b")
-    parser.add_argument("lengths", nargs="?", default="1,24")
-    parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
+    args, device, dtype = sweep_arguments(__doc__, argv)
     cfg = PRESETS[args.preset]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator(device=device).manual_seed(0)
     hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)

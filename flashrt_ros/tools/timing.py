@@ -3,9 +3,11 @@ per call with its weights read from device memory, as a decode step reads them; 
 between the engines of one benchmark."""
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 import torch
@@ -98,6 +100,23 @@ def time_calls_us(device: torch.device, calls: Sequence[Callable[[], object]], r
     run()
     samples = [timed(device, run)[1] for _ in range(repeats)]
     return 1000.0 * statistics.median(samples) / count
+
+
+def sweep_arguments(doc: str, argv: list[str] | None,
+                    extend: Callable[[argparse.ArgumentParser], object] = lambda parser: None
+                    ) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
+    """The launch sweeps' command line (PRESET LENGTHS [--sweep] [--repeats N] [--out FILE], plus what ``extend``
+    adds) and where they run: bf16 on CUDA, fp32 on the CPU (Triton's interpreter)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("preset", nargs="?", default="qwen3.5-0.8b")
+    parser.add_argument("lengths", nargs="?", default="1,24")
+    extend(parser)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return args, device, torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def sweep_launches(device: torch.device, default: tuple, candidates: Sequence[tuple],

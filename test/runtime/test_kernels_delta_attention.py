@@ -159,6 +159,24 @@ def poison_rows(inputs, count):
     return poisoned
 
 
+def check_padded_piece(kernel, bucket: int, n: int, layout, seed: int, tolerance: float, state_tolerance: float):
+    """``kernel`` on a bucket whose rows >= n are NaN padding (count n) against it on the n rows alone: zero output
+    rows for the padding, the state outside the arena untouched, and for n >= 2 the same bytes (state and outputs);
+    for n = 1 (a decode step alone, a piece in the bucket) within the tolerances."""
+    inputs, arena = gdn_inputs(bucket, layout, torch.bfloat16, seed=seed)
+    alone_state = arena.state.clone()
+    alone = kernel(*(t[:n] if t.dim() >= 2 else t for t in inputs), alone_state)
+    out = kernel(*poison_rows(inputs, n), arena.state, torch.tensor(n, device=DEVICE))
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    assert arena.outside_untouched()
+    if n == 1:
+        assert rel(arena.state, alone_state) <= state_tolerance
+        assert rel(out[:1], alone) <= tolerance
+    else:
+        assert torch.equal(arena.state, alone_state), f"n={n} of {bucket}"
+        assert torch.equal(out[:n], alone), f"n={n} of {bucket}"
+
+
 @needs_triton
 @pytest.mark.parametrize("seed", range(4))
 def test_gated_delta_rule_padding_rows_leave_the_state_as_if_absent(seed):
@@ -170,19 +188,8 @@ def test_gated_delta_rule_padding_rows_leave_the_state_as_if_absent(seed):
     layout = GDN_LAYOUTS["tiny"] if seed % 2 else (1, 3, 32, 32)      # the 27B preset's 3 value heads per key head
     bucket = (8, 16, 5, 64)[seed]
     for n in (1, int(torch.randint(2, bucket + 1, (1,), generator=g))):
-        inputs, arena = gdn_inputs(bucket, layout, torch.bfloat16, seed=200 + seed + n)
-        unpadded_state = arena.state.clone()
-        unpadded = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs),
-                                                      unpadded_state)
-        out = delta_rule.gated_delta_rule_triton(*poison_rows(inputs, n), arena.state, torch.tensor(n, device=DEVICE))
-        assert torch.equal(out[n:], torch.zeros_like(out[n:]))
-        assert arena.outside_untouched()
-        if n == 1:
-            assert rel(arena.state, unpadded_state) <= STATE_TOLERANCE
-            assert rel(out[:1], unpadded) <= TOLERANCE[torch.bfloat16]
-        else:
-            assert torch.equal(arena.state, unpadded_state), f"n={n} of {bucket}"
-            assert torch.equal(out[:n], unpadded), f"n={n} of {bucket}"
+        check_padded_piece(delta_rule.gated_delta_rule_triton, bucket, n, layout, 200 + seed + n,
+                           TOLERANCE[torch.bfloat16], STATE_TOLERANCE)
 
 
 @pytest.mark.parametrize("bucket", [8, 16, 64])
@@ -190,19 +197,9 @@ def test_reference_padded_piece_folds_byte_identically_to_the_unpadded_piece(buc
     """A bucket (<= the 64-row chunk) with n >= 2 real rows computes the bytes of the n rows alone. (n = 1 alone is
     a decode step, the recurrent kernel: equal within rounding only.)"""
     g = gen(bucket)
-    for n in (1, int(torch.randint(2, bucket + 1, (1,), generator=g))):
-        inputs, arena = gdn_inputs(bucket, GDN_LAYOUTS["tiny"], torch.bfloat16, seed=300 + bucket + n)
-        alone_state = arena.state.clone()
-        alone = delta_rule.gated_delta_rule_reference(*(t[:n] if t.dim() >= 2 else t for t in inputs), alone_state)
-        out = delta_rule.gated_delta_rule_reference(*poison_rows(inputs, n), arena.state,
-                                                    torch.tensor(n, device=DEVICE))
-        assert torch.equal(out[n:], torch.zeros_like(out[n:]))
-        if n == 1:
-            assert rel(arena.state, alone_state) <= REFERENCE_STATE_TOLERANCE
-            assert rel(out[:1], alone) <= REFERENCE_TOLERANCE[torch.bfloat16]
-        else:
-            assert torch.equal(arena.state, alone_state), f"n={n}"
-            assert torch.equal(out[:n], alone), f"n={n}"
+    for n in sorted({1, 2, int(torch.randint(2, bucket + 1, (1,), generator=g)), bucket}):
+        check_padded_piece(delta_rule.gated_delta_rule_reference, bucket, n, GDN_LAYOUTS["tiny"], 300 + bucket + n,
+                           REFERENCE_TOLERANCE[torch.bfloat16], REFERENCE_STATE_TOLERANCE)
 
 
 @needs_triton
