@@ -144,8 +144,21 @@ def test_gated_delta_rule_triton_matches_float64_under_any_launch_config(config)
 @pytest.mark.parametrize("layout, want", [("0.8b", (16, 4, True)), ("27b", (32, 8, False)), ("tiny", (16, 4, True))])
 def test_the_launch_rule_gives_small_blocks_the_joint_reduction_and_large_ones_two(layout, want):
     _, v_heads, dk, dv = GDN_LAYOUTS[layout]
-    assert tuple(delta_rule.launch_config(v_heads, dk, dv)) == want
-    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True)) == (4, 1, False)
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv, interpreted=False)) == want
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=False)) == (4, 1, False)
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=True)) == (want[0], 1, False)
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter's bytes: compiled, another block is another summation order")
+def test_under_the_interpreter_a_pieces_bytes_do_not_depend_on_its_block():
+    """Why the interpreter may launch a piece with the decode block: the narrow GPU block gives the same bytes."""
+    inputs, arena = gdn_inputs(9, GDN_LAYOUTS["tiny"], torch.bfloat16, seed=seed_of("interpreted block"))
+    state = arena.state.clone()
+    narrow = delta_rule.gated_delta_rule_triton(*inputs, state, config=delta_rule.DeltaRuleConfig(4, 1, False))
+    wide = delta_rule.gated_delta_rule_triton(*inputs, arena.state, config=delta_rule.DeltaRuleConfig(16, 1, False))
+    assert_same_bytes("output, 16 columns against 4", wide, narrow)
+    assert_same_bytes("state, 16 columns against 4", arena.state, state)
 
 
 def poison_rows(inputs, count):

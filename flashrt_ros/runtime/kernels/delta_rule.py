@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ._layout import require, require_count, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import jit, tl, triton
+from ._triton import INTERPRETED, jit, tl, triton
 from .norms import l2norm
 
 try:  # optional production kernels (pure Python + Triton); parity-tested against the reference below
@@ -252,19 +252,22 @@ class DeltaRuleConfig(NamedTuple):
 PIECE_BLOCK_V = 4
 
 
-def launch_config(v_heads: int, dk: int, dv: int, piece: bool = False) -> DeltaRuleConfig:
-    """A piece of several rows (``piece``): PIECE_BLOCK_V columns, one warp, two reductions. One row (decode, and
-    each row of a verify's rows kernel): the value block is the widest of 64/32/16 that still gives >= 128 programs
-    (an H200 has 132 SMs; parallelism comes only from heads x column blocks); small state blocks take 4 warps and the
-    joint reduction, larger ones 8 warps and two reductions (SMALL_STATE_BLOCK). ``bench/time_delta_rule.py
-    --sweep`` times the alternatives on a GPU."""
-    if piece:
-        return DeltaRuleConfig(min(PIECE_BLOCK_V, triton.next_power_of_2(dv)), 1, False)
+def launch_config(v_heads: int, dk: int, dv: int, piece: bool = False,
+                  interpreted: bool = INTERPRETED) -> DeltaRuleConfig:
+    """One row (decode, and each row of a verify's rows kernel): the value block is the widest of 64/32/16 that
+    still gives >= 128 programs (an H200 has 132 SMs; parallelism comes only from heads x column blocks); small state
+    blocks take 4 warps and the joint reduction, larger ones 8 warps and two reductions (SMALL_STATE_BLOCK). A piece
+    of several rows (``piece``): PIECE_BLOCK_V columns, one warp, two reductions; under Triton's interpreter, which
+    runs the programs one after another in Python, the decode block instead (a quarter of the programs on the tiny
+    model's 16 columns). The interpreter sums a column as numpy does, whatever the block and the warps, so its bytes
+    are the same either way. ``bench/time_delta_rule.py --sweep`` times the alternatives on a GPU."""
     block_v = min(16, triton.next_power_of_2(dv))
     for block in (64, 32):
         if v_heads * triton.cdiv(dv, block) >= 128:
             block_v = min(block, triton.next_power_of_2(dv))
             break
+    if piece:
+        return DeltaRuleConfig(block_v if interpreted else min(PIECE_BLOCK_V, triton.next_power_of_2(dv)), 1, False)
     small = triton.next_power_of_2(dk) * block_v <= SMALL_STATE_BLOCK
     return DeltaRuleConfig(block_v, 4 if small else 8, small)
 
