@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# delta-sweep | attention-sweep |
+# delta-sweep | attention-sweep | pdl |
 # capsules | load | gemv | vision | constraint | spec | spec-27b (DENSE_GEMV: cublas or triton for the last three; spec takes
 # SPEC_MODEL, SPEC_VOCABS, spec-27b SPEC_ACCEPTANCE); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
-# PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, PROFILE_DENSE_GEMV, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips)
+# PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, PROFILE_DENSE_GEMV, PROFILE_PDL, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips)
 # and GEMV_SPEC (0 skips its bench-spec runs))
 # Every phase keeps its whole log under $OUT/<card>_<commit>/ (the device tool returns only the output's tail).
 # The wheels in .whl, where there are any (what the machine lacks: fla-core 0.6.0 and einops, llguidance 1.9.1; `pip download
@@ -58,6 +58,14 @@ for phase in "$@"; do
             --out "$OUT/attention_sweep_$preset.json" > "$OUT/attention_sweep_$preset.log" 2>&1
         echo "attention sweep $preset rc=$?"; grep -v -i warn "$OUT/attention_sweep_$preset.log"
       done
+      ;;
+    pdl)  # programmatic dependent launch: its byte-identity tests, then decode with and without it on both GEMV paths
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_runtime_pdl.py \
+          > "$OUT/pdl_pytest.log" 2>&1; echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pdl_pytest.log" | tail -8
+      timeout 300 python3 -m flashrt_ros.tools bench --model qwen3.5-0.8b --device cuda --dtype bfloat16 --kernels triton \
+          --contexts 2048,16384 --repeats 5 --decode-tokens 64 --dense-gemv-paths cublas,cublas+pdl,triton,triton+pdl \
+          --decode-only --out "$OUT/pdl_decode_0.8b.json" > "$OUT/pdl_decode_0.8b.log" 2>&1
+      echo "bench decode rc=$?"; grep -v -i warn "$OUT/pdl_decode_0.8b.log" | grep "^|"
       ;;
     bench-0.8b) bench qwen3.5-0.8b 2048,8192,16384 20 ;;
     bench-27b) bench qwen3.6-27b 2048,8192,16384 5 ;;
@@ -154,7 +162,7 @@ for phase in "$@"; do
       preset=${PROFILE_PRESET:-qwen3.5-0.8b}; format=${PROFILE_FORMAT:-dense}
       for context in ${PROFILE_CONTEXTS:-16384 8192}; do
         for drafts in ${PROFILE_DRAFTS:-0}; do
-          log="$OUT/profile_${preset}_${format}_${context}_d${drafts}${PROFILE_DENSE_GEMV:+_$PROFILE_DENSE_GEMV}.txt"
+          log="$OUT/profile_${preset}_${format}_${context}_d${drafts}${PROFILE_DENSE_GEMV:+_$PROFILE_DENSE_GEMV}${PROFILE_PDL:+_pdl}.txt"
           timeout "${BENCH_TIMEOUT_S:-540}" python3 bench/profile_step.py $preset $context 24 $format $drafts \
               ${PROFILE_DRAFT_VOCAB:-0} > "$log" 2>&1
           echo "profile $context drafts $drafts rc=$?"; grep -E " ms$|graphs" "$log"

@@ -484,8 +484,9 @@ ARRIVAL_COUNTERS = 1 << 16         # output tiles a split-K launch may have (the
 @functools.cache
 def _arrival_tensor(device: torch.device) -> torch.Tensor:
     """The split-K arrival counters of this device, all zero between launches (the last program resets its own).
-    Launches on one stream never overlap, so they can share them; made on first use, which is a warm-up run and
-    never a CUDA-graph capture (GraphRunner runs every step once before recording it)."""
+    Launches on one stream never overlap in their counters (a launch under PDL touches them only after its wait), so
+    they can share them; made on first use, which is a warm-up run and never a CUDA-graph capture (GraphRunner runs
+    every step once before recording it)."""
     return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
 
 
