@@ -20,8 +20,9 @@ vocabulary sizes); only the layer count is cut to one Gated DeltaNet and one att
 which run the same launches as all of them. A kernel of the package that no launch reaches is an error too (a new
 kernel must be added here).
 
-With ``--pdl`` the forward and the step's kernels are launched as the engine launches them under programmatic
-dependent launch (``EngineConfig.pdl``), and each result counts the grid-dependency instructions and L2 prefetches
+With ``--pdl`` the forward's, the step's and the fused GEMVs' kernels are launched as the engine launches them under
+programmatic dependent launch (``EngineConfig.pdl``; the dequantise kernel of long pieces never is), and each result
+counts the grid-dependency instructions and L2 prefetches
 in its PTX.
 
 Each distinct compile is reported as ``cubin`` (all stages), ``ptx only`` (the frontend built PTX, ptxas refused it:
@@ -169,7 +170,7 @@ def record_model(recorder: _Recorder, preset: str, dtype: torch.dtype, max_conte
         model.forward(tokens, LONG_PIECE, dense=True)
 
 
-def record_quant(recorder: _Recorder, preset: str, dtype: torch.dtype) -> None:
+def record_quant(recorder: _Recorder, preset: str, dtype: torch.dtype, pdl: bool) -> None:
     for n, k in preset_projection_shapes(preset):
         fp8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
         nvfp4 = (torch.empty(n, k // 2, dtype=torch.uint8),
@@ -181,7 +182,7 @@ def record_quant(recorder: _Recorder, preset: str, dtype: torch.dtype) -> None:
         for fmt, (fused, tensors) in weights.items():
             for rows in GEMV_ROWS:
                 recorder.origin = f"{preset}/{dtype} {fmt} GEMV {rows}x{k} -> {n}"
-                fused(torch.empty(rows, k, dtype=dtype), *tensors)
+                fused(torch.empty(rows, k, dtype=dtype), *tensors, pdl=pdl)
             recorder.origin = f"{preset}/{dtype} {fmt} dequantise {n}x{k}"
             quant_gemv.dequantize_triton(tensors[0], tensors[1], tensors[2] if fmt == "nvfp4" else None, dtype)
 
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                              args.pdl)
                 record_step(recorder, preset, dtype, args.pdl)
                 if not args.no_quant:
-                    record_quant(recorder, preset, dtype)
+                    record_quant(recorder, preset, dtype, args.pdl)
     print(f"triton {triton.__version__}, torch {torch.__version__}: {len(recorder.launches)} launches recorded",
           flush=True)
     results = [r for arch in (args.arch or [90]) for r in compile_all(recorder.launches, arch)]

@@ -66,6 +66,12 @@ for phase in "$@"; do
           --contexts 2048,16384 --repeats 5 --decode-tokens 64 --dense-gemv-paths cublas,cublas+pdl,triton,triton+pdl \
           --decode-only --out "$OUT/pdl_decode_0.8b.json" > "$OUT/pdl_decode_0.8b.log" 2>&1
       echo "bench decode rc=$?"; grep -v -i warn "$OUT/pdl_decode_0.8b.log" | grep "^|"
+      for launch in no-pdl pdl; do   # the quantized formats' decode, plain and under PDL
+        timeout 200 python3 -m flashrt_ros.tools bench-quant --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
+            --kernels triton --$launch --formats dense,fp8,nvfp4 --context 2048 --decode-tokens 64 --prefill-tokens 256 \
+            --fidelity-tokens 8 --repeats 3 --out "$OUT/pdl_quant_0.8b_$launch.json" > "$OUT/pdl_quant_0.8b_$launch.log" 2>&1
+        echo "bench-quant $launch rc=$?"; grep -v -i warn "$OUT/pdl_quant_0.8b_$launch.log" | grep "^|" | head -6
+      done
       ;;
     bench-0.8b) bench qwen3.5-0.8b 2048,8192,16384 20 ;;
     bench-27b) bench qwen3.6-27b 2048,8192,16384 5 ;;

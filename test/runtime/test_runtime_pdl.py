@@ -67,14 +67,17 @@ def _decode(engine: Engine, prompt: list[int], tokens: int) -> tuple[list[int], 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dense_gemv", ["cublas", "triton"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_gpu_pdl_decodes_the_same_tokens_and_bytes_as_plain_launches(dense_gemv, dtype):
-    """Many graph replays (prefill pieces, then decode steps that each chain dozens of PDL launches): a kernel that
-    read or wrote before its wait would race its predecessor and, sooner or later, change a byte."""
+@pytest.mark.parametrize("dense_gemv,weights_format,dtype", [
+    ("cublas", "dense", "bfloat16"), ("triton", "dense", "bfloat16"), ("triton", "dense", "float32"),
+    ("cublas", "fp8", "bfloat16"), ("cublas", "nvfp4", "bfloat16")])
+def test_gpu_pdl_decodes_the_same_tokens_and_bytes_as_plain_launches(dense_gemv, weights_format, dtype):
+    """Many graph replays (prefill pieces, then decode steps that each chain dozens of PDL launches, the quantized
+    GEMVs' too): a kernel that read or wrote before its wait would race its predecessor and, sooner or later,
+    change a byte."""
     if _triton.pdl_unsupported(torch.device("cuda")):
         pytest.skip(_triton.pdl_unsupported(torch.device("cuda")))
-    config = EngineConfig(device="cuda", dtype=dtype, max_context=1024, kernels="triton", dense_gemv=dense_gemv)
+    config = EngineConfig(device="cuda", dtype=dtype, max_context=1024, kernels="triton", dense_gemv=dense_gemv,
+                          weights_format=weights_format)
     plain, launched = Engine(config), Engine(dataclasses.replace(config, pdl=True))
     assert launched.kernels.pdl and not plain.kernels.pdl and launched.fingerprint == plain.fingerprint
     prompt = prompt_tokens(plain.vocab_size, 300, "pdl-prompt")

@@ -57,8 +57,14 @@ def await_inputs(PDL: "tl.constexpr"):
 
 
 @jit
-def prefetch_l2(ptrs):
-    """Start moving the 128-byte lines at ``ptrs`` into L2 (no registers, nothing waits for them): a kernel
-    launched with PDL prefetches its weights so while the kernel before it still runs (compiled kernels only)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
+def prefetch_rows_l2(base, rows, row_ok, row_stride, begin, end, STEP: tl.constexpr, LINE: tl.constexpr):
+    """Start moving elements [begin, end) of ``rows`` (``row_stride`` elements apart) into L2, one address per
+    128-byte line of LINE elements, STEP elements of a row per iteration: no registers hold them and nothing waits
+    for them. A kernel launched with PDL prefetches its weights so while the kernel before it still runs
+    (compiled kernels only: the interpreter has no inline assembly)."""
+    for start in range(begin, end, STEP):
+        cols = start + tl.arange(0, STEP // LINE) * LINE
+        inside = row_ok[:, None] & (cols < end)[None, :]
+        ptrs = tl.where(inside, base + rows[:, None] * row_stride + cols[None, :], base)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)

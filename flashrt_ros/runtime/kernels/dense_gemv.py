@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from . import quant_gemv as kq
 from ._layout import require, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import INTERPRETED, await_inputs, jit, pdl_launch, prefetch_l2, tl, triton
+from ._triton import INTERPRETED, await_inputs, jit, pdl_launch, prefetch_rows_l2, tl, triton
 from .activations import silu_mul
 from .norms import rms_norm
 
@@ -77,10 +77,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, partial_ptr, ar
     k_begin = tl.program_id(1) * k_split
     k_end = tl.minimum(k_begin + k_split, K)
     if PDL:
-        for k0 in range(k_begin, k_end, BLOCK_K):            # one address per 128-byte line (LINE weights)
-            k = k0 + tl.arange(0, BLOCK_K // LINE) * LINE
-            inside = row_ok[:, None] & (k < k_end)[None, :]
-            prefetch_l2(tl.where(inside, w_ptr + wide_rows[:, None] * stride_w + k[None, :], w_ptr))
+        prefetch_rows_l2(w_ptr, wide_rows, row_ok, stride_w, k_begin, k_end, BLOCK_K, LINE)
     await_inputs(PDL)
     x_rows = x_ptr + real[:, None] * stride_x
     if NORM:    # the rows' 1 / rms over all K (NORM_K), whatever this program's slice: unrolled, every load in flight
@@ -152,5 +149,5 @@ def dense_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tenso
         IEEE=x.dtype == torch.float32 or INTERPRETED, ASM=not INTERPRETED, EVEN_K=k % config.block_k == 0,
         NORM_K=k if norm is not None else 0, ROWS=triton.next_power_of_2(rows) if formed else kq.DENSE_ROWS,
         BLOCK_L=kq.DENSE_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        LINE=128 // weight.element_size(), num_stages=config.num_stages, **pdl_launch(pdl))
+        LINE=min(128 // weight.element_size(), config.block_k), num_stages=config.num_stages, **pdl_launch(pdl))
     return out
