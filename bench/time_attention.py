@@ -6,9 +6,9 @@ attention shape:
 
 (default qwen3.5-0.8b 1,24 at 16384), one line per length with the kernel's own launch configuration
 (``attention.launch_config``), the keys and values read from device memory as in a step (copies of the cache past
-the L2). ``--sweep`` also times tiles of 16..64 query rows x heads, 32 or 64 keys a block, 128..1024 split
-programs and 4 or 8 warps, each checked against the default configuration's output, and prints the fastest per
-length."""
+the L2). ``--sweep`` also times tiles of 16..128 query rows x heads, 32 or 64 keys a block, 128..1024 split
+programs and 4, 8 or 16 warps, each checked against the default configuration's output, and prints the fastest per
+length (a 24-row piece of the 0.8B fits one 128-row tile: its keys are then read once, not once per 8 rows)."""
 from __future__ import annotations
 
 import itertools
@@ -27,12 +27,15 @@ from flashrt_ros.tools.timing import fastest_line, sweep_arguments, sweep_launch
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
 
 
-def sweep_configs(length: int, groups: int) -> list[attention.AttentionLaunch]:
-    """Tiles that hold one row's heads and no more rows than the piece has."""
+TILE_ELEMENTS_PER_WARP = 4096        # fewer warps would hold more than 128 fp32 accumulators a thread: spills
+
+
+def sweep_configs(length: int, groups: int, dim: int) -> list[attention.AttentionLaunch]:
+    """Tiles that hold one row's heads and no more rows than the piece has, with warps enough for the tile."""
     most = max(16, 1 << (length * groups - 1).bit_length())
-    return [attention.AttentionLaunch(*c) for c in itertools.product((16, 32, 64), (32, 64), (128, 256, 512, 1024),
-                                                                       (4, 8))
-            if groups <= c[0] <= most]
+    return [attention.AttentionLaunch(*c) for c in itertools.product((16, 32, 64, 128), (32, 64),
+                                                                       (128, 256, 512, 1024), (4, 8, 16))
+            if groups <= c[0] <= most and c[0] * dim <= TILE_ELEMENTS_PER_WARP * c[3]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         def attend(cache, launch):
             return attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions, gate, launch=launch)
         found = sweep_launches(
-            device, default, sweep_configs(length, groups) if args.sweep else [], lambda c: attend(cache, c),
+            device, default, sweep_configs(length, groups, dim) if args.sweep else [], lambda c: attend(cache, c),
             lambda c: [lambda k=k: attend(k, c) for k, in caches], args.repeats, TOLERANCE)
         us = found[0]["us"]
         print(f"{args.preset} attention {length:3d} rows at {args.context}: {us:8.2f} us a launch "

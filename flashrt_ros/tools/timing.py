@@ -126,20 +126,26 @@ def sweep_launches(device: torch.device, default: tuple, candidates: Sequence[tu
     ``output(launch)`` checked against the default's (largest difference <= ``tolerance`` x the largest magnitude:
     another summation order, not another result) and the correct ones timed as ``calls(launch)`` (one per copy of
     the data the kernel reads from memory, :func:`weight_copies`) with :func:`time_calls_us`. One row each: config,
-    default, us (None when wrong), correct."""
+    default, us (None when wrong or failed), correct, and error: why a candidate could not run (a tile that needs
+    more shared memory than the GPU has, say), None where it ran."""
     want = output(default).float()
     rows = []
     for launch in [default] + [c for c in candidates if c != default]:
-        got = want if launch == default else output(launch).float()
-        correct = bool((got - want).abs().max() <= tolerance * want.abs().max())
+        try:
+            got, error = want if launch == default else output(launch).float(), None
+        except Exception as err:  # noqa: BLE001 - a candidate the compiler or the GPU refuses is reported, not fatal
+            got, error = None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        correct = got is not None and bool((got - want).abs().max() <= tolerance * want.abs().max())
         us = time_calls_us(device, calls(launch), repeats) if correct else None
-        rows.append({"config": list(launch), "default": launch == default, "us": us, "correct": correct})
+        rows.append({"config": list(launch), "default": launch == default, "us": us, "correct": correct,
+                     "error": error})
     return rows
 
 
 def fastest_line(rows: Sequence[dict], shown: int = 5) -> str:
-    """The fastest of :func:`sweep_launches`'s rows, and the wrong ones."""
+    """The fastest of :func:`sweep_launches`'s rows, the wrong ones and the ones that could not run."""
     timed = sorted((r for r in rows if r["us"] is not None), key=lambda r: r["us"])
-    wrong = [tuple(r["config"]) for r in rows if not r["correct"]]
+    wrong = [tuple(r["config"]) for r in rows if not r["correct"] and not r.get("error")]
+    failed = [tuple(r["config"]) for r in rows if r.get("error")]
     return (f"  fastest of {len(timed)}: " + ", ".join(f"{tuple(r['config'])} {r['us']:.2f} us" for r in timed[:shown])
-            + (f"; wrong: {wrong}" if wrong else ""))
+            + (f"; wrong: {wrong}" if wrong else "") + (f"; could not run: {failed}" if failed else ""))

@@ -38,3 +38,23 @@ def test_weight_copies_are_the_weight_and_equal_clones_in_their_own_memory_as_ma
     for copy in copies[1:]:
         assert all(torch.equal(c, t) and c.data_ptr() != t.data_ptr() for c, t in zip(copy, (data, scale)))
     assert timing.weight_copies(torch.device("cpu"), (data,)) == [(data,)]
+
+
+def test_a_sweep_checks_each_candidate_reports_the_wrong_and_the_unrunnable_and_times_only_the_right():
+    """A candidate whose launch raises (a tile the GPU has no shared memory for) is a row with its error, not the end
+    of the sweep; a wrong one is not timed either."""
+    def output(launch):
+        if launch == (3,):
+            raise RuntimeError("out of resource: shared memory, required: 262144\nmore detail")
+        return torch.ones(4) * (2.0 if launch == (2,) else 1.0)
+    timed = []
+    rows = timing.sweep_launches(torch.device("cpu"), (1,), [(2,), (3,), (1,), (4,)], output,
+                                 lambda launch: [lambda: timed.append(launch)], 1, 1e-3)
+    assert [tuple(r["config"]) for r in rows] == [(1,), (2,), (3,), (4,)]       # the default once, first
+    by_config = {tuple(r["config"]): r for r in rows}
+    assert by_config[(2,)]["correct"] is False and by_config[(2,)]["error"] is None and by_config[(2,)]["us"] is None
+    assert by_config[(3,)]["error"] == "RuntimeError: out of resource: shared memory, required: 262144"
+    assert by_config[(3,)]["us"] is None and by_config[(1,)]["us"] > 0 and by_config[(4,)]["us"] > 0
+    assert set(timed) == {(1,), (4,)}
+    line = timing.fastest_line(rows)
+    assert "fastest of 2" in line and "wrong: [(2,)]" in line and "could not run: [(3,)]" in line
