@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# delta-sweep | attention-sweep (ATTENTION_PRESETS) | pdl |
+# delta-sweep | attention-sweep (ATTENTION_PRESETS) | pdl | pdl-quant |
 # capsules | load | gemv | vision | constraint | spec | spec-27b (DENSE_GEMV: cublas or triton for the last three; spec takes
 # SPEC_MODEL, SPEC_VOCABS, spec-27b SPEC_ACCEPTANCE); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
 # PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, PROFILE_DENSE_GEMV, PROFILE_PDL, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips)
@@ -59,14 +59,21 @@ for phase in "$@"; do
         echo "attention sweep $preset rc=$?"; grep -v -i warn "$OUT/attention_sweep_$preset.log"
       done
       ;;
-    pdl)  # programmatic dependent launch: its byte-identity tests, then decode with and without it on both GEMV paths
+    pdl)  # programmatic dependent launch and small pieces on the Triton GEMV: their GPU tests, then the 0.8B with
+          # dense_gemv triton under PDL (capsule TTFT, decode, and decode on each GEMV path) beside the default engine
       timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_runtime_pdl.py \
-          > "$OUT/pdl_pytest.log" 2>&1; echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pdl_pytest.log" | tail -8
-      timeout 300 python3 -m flashrt_ros.tools bench --model qwen3.5-0.8b --device cuda --dtype bfloat16 --kernels triton \
-          --contexts 2048,16384 --repeats 5 --decode-tokens 64 --dense-gemv-paths cublas,cublas+pdl,triton,triton+pdl \
-          --decode-only --out "$OUT/pdl_decode_0.8b.json" > "$OUT/pdl_decode_0.8b.log" 2>&1
-      echo "bench decode rc=$?"; grep -v -i warn "$OUT/pdl_decode_0.8b.log" | grep "^|"
-      for launch in no-pdl pdl; do   # the quantized formats' decode, plain and under PDL
+          test/runtime/test_kernels_dense_gemv.py > "$OUT/pdl_pytest.log" 2>&1; echo "pytest rc=$?"
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pdl_pytest.log" | tail -8
+      for variant in triton-pdl default; do
+        flags=$([ $variant = default ] || echo "--dense-gemv triton --pdl --dense-gemv-paths cublas,triton,triton+pdl")
+        timeout 240 python3 -m flashrt_ros.tools bench --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
+            --contexts 2048,16384 --repeats 10 --decode-tokens 64 $flags --out "$OUT/pdl_bench_0.8b_$variant.json" \
+            > "$OUT/pdl_bench_0.8b_$variant.log" 2>&1
+        echo "bench $variant rc=$?"; grep -v -i warn "$OUT/pdl_bench_0.8b_$variant.log" | grep "^|"
+      done
+      ;;
+    pdl-quant)  # the quantized formats' decode, plain and under PDL
+      for launch in no-pdl pdl; do
         timeout 200 python3 -m flashrt_ros.tools bench-quant --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
             --kernels triton --$launch --formats dense,fp8,nvfp4 --context 2048 --decode-tokens 64 --prefill-tokens 256 \
             --fidelity-tokens 8 --repeats 3 --out "$OUT/pdl_quant_0.8b_$launch.json" > "$OUT/pdl_quant_0.8b_$launch.log" 2>&1
