@@ -11,6 +11,7 @@ import torch
 from flashrt_ros.runtime import Engine, EngineConfig
 from flashrt_ros.runtime import kernels as kernel_sets
 from flashrt_ros.runtime.kernels import _triton, norms
+from flashrt_ros.runtime.quant import QuantLinear
 from flashrt_ros.tools.verify import prompt_tokens
 
 needs_triton = pytest.mark.skipif(kernel_sets.triton is None or not (
@@ -84,3 +85,14 @@ def test_gpu_pdl_decodes_the_same_tokens_and_bytes_as_plain_launches(dense_gemv,
     tokens, state = _decode(launched, prompt, 200)
     want_tokens, want_state = _decode(plain, prompt, 200)
     assert tokens == want_tokens and torch.equal(state, want_state)
+
+
+def test_binding_a_pdl_kernel_set_launches_the_quantized_projections_with_it_too():
+    """The quantized GEMVs are the model's modules, not the kernel set's functions: bind hands them its ``pdl``."""
+    engine = Engine(EngineConfig(weights_format="nvfp4"))
+    layers = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and not any(m.pdl for m in layers)
+    engine.model.bind(engine.arena, kernel_sets.with_pdl(kernel_sets.TRITON))
+    assert all(m.pdl for m in layers)
+    engine.model.bind(engine.arena, kernel_sets.TRITON)
+    assert not any(m.pdl for m in layers)
