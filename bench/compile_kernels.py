@@ -197,7 +197,7 @@ def record_step(recorder: _Recorder, preset: str, dtype: torch.dtype, pdl: bool)
                                 pdl=pdl)
     for n, k in preset_projection_shapes(preset):
         weight = torch.empty(n, k, dtype=dtype)
-        for rows in (1, 24, dense_gemv.MAX_ROWS):                 # each rows bucket
+        for rows in (1, dense_gemv.MAX_ROWS):
             x, gate_up = torch.empty(rows, k, dtype=dtype), torch.empty(rows, 2 * k, dtype=dtype)
             for fusion, call in (
                     ("plain", lambda: dense_gemv.dense_linear_triton(x, weight, pdl=pdl)),

@@ -59,7 +59,7 @@ for phase in "$@"; do
         echo "attention sweep $preset rc=$?"; grep -v -i warn "$OUT/attention_sweep_$preset.log"
       done
       ;;
-    pdl)  # programmatic dependent launch and small pieces on the Triton GEMV: their GPU tests, then the 0.8B with
+    pdl)  # programmatic dependent launch: its GPU tests and the dense GEMV's, then the 0.8B with
           # dense_gemv triton under PDL (capsule TTFT, decode, and decode on each GEMV path) beside the default engine
       timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_runtime_pdl.py \
           test/runtime/test_kernels_dense_gemv.py > "$OUT/pdl_pytest.log" 2>&1; echo "pytest rc=$?"

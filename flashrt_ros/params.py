@@ -39,8 +39,7 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
     ("cuda_graphs", True, "capture CUDA graphs for prefill/decode (ignored on cpu)", None, None),
     ("kernels", "auto", "kernel set: auto (Triton where a start-up probe passes, else reference) | triton | "
      "reference", None, ("auto", "triton", "reference")),
-    ("dense_gemv", "cublas", "dense projections of decode, speculative verify and small pieces (<= 64 rows) with the "
-     "Triton kernels: "
+    ("dense_gemv", "cublas", "dense projections of decode and speculative verify (<= 8 rows) with the Triton kernels: "
      "cublas, or triton (one Triton GEMV each, with the norm, silu_mul and residual add fused; its capsules do not "
      "move to a cublas engine)", None, DENSE_GEMV_CHOICES),
     ("pdl", False, "launch the Triton kernels with programmatic dependent launch where the GPU has it (sm_90+: "

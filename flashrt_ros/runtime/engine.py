@@ -979,8 +979,6 @@ class Engine:
                     "prefill_chunk": self.config.prefill_chunk, "weights_format": self.weights_format}
         if self.config.weights_format != "dense" or self.kernels.dense_linear is not None:
             identity["gemv_table"] = quant_gemv.table_digest(self.device)
-        if self.kernels.dense_linear is not None:    # which pieces its GEMV multiplies (their bytes are its)
-            identity["gemv_rows"] = quant_gemv.DENSE_ROW_BUCKETS
         return {plan: hashlib.sha256(json.dumps({**identity, "plan": plan}, sort_keys=True).encode()).hexdigest()
                 for plan in (PLAN_VERSION, SPECULATIVE_PLAN_VERSION)}
 

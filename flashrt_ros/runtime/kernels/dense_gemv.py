@@ -11,11 +11,10 @@ projection fused where they would otherwise each cost a launch:
 :func:`dense_linear_triton` one kernel, which rounds where the reference rounds (the normed or gated input and the
 product to the model dtype, then the residual sum), so the two differ only by the fp32 summation order.
 
-Rows are padded to their bucket of :data:`~.quant_gemv.DENSE_ROW_BUCKETS` (16 rows for decode and verify, 32 or 64
-for a small piece) and multiplied on tensor cores (``tl.dot``): within a bucket the K-reduction order of a row
-depends on neither the row count nor the other rows, so a row of a 5-row verify step is bit-identical to the same
-row of a one-row decode step. Launch configurations come from the quantized GEMV's table
-(:mod:`.quant_gemv_configs`, weight kind ``dense``, one configuration per rows bucket), split-K partials are summed by the last slice to
+Rows are padded to :data:`~.quant_gemv.DENSE_ROWS` and multiplied on tensor cores (``tl.dot``): the K-reduction
+order of a row depends on neither the row count nor the other rows, so a row of a 5-row verify step is bit-identical
+to the same row of a one-row decode step. Launch configurations come from the quantized GEMV's table
+(:mod:`.quant_gemv_configs`, weight kind ``dense``, one rows bucket), split-K partials are summed by the last slice to
 arrive in slice order, so the result is a function of shape and device only (never ``triton.autotune``: see
 :mod:`.quant_gemv`).
 """
@@ -31,7 +30,7 @@ from ._triton import INTERPRETED, await_inputs, jit, pdl_launch, prefetch_rows_l
 from .activations import silu_mul
 from .norms import rms_norm
 
-MAX_ROWS = kq.DENSE_ROW_BUCKETS[-1]  # the most rows the model sends here: decode, verify and small pieces
+MAX_ROWS = 8                        # the most rows the model sends here (decode, verify, the smallest pieces)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
@@ -117,14 +116,14 @@ def dense_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tenso
                         gated: bool = False, residual: torch.Tensor | None = None,
                         config: kq.GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """:func:`dense_linear` in one launch. x: [L, K] ([L, 2K] gated), unit column stride, any row stride, L in
-    1..MAX_ROWS; weight [N, K] in x's dtype; norm [K] fp32; residual [L, N] in x's dtype. Returns [L, N]."""
+    1..DENSE_ROWS; weight [N, K] in x's dtype; norm [K] fp32; residual [L, N] in x's dtype. Returns [L, N]."""
     op = "dense_linear_triton"
     require_launchable(op, x, weight, *(t for t in (norm, residual) if t is not None))
     require_rows(op, "x", x, 2)
     require_model_dtype(op, x)
     require_rows(op, "weight", weight, 2, x.dtype)
     (rows, width), (n, k) = x.shape, weight.shape
-    require(0 < rows <= MAX_ROWS, op, f"takes 1..{MAX_ROWS} rows, got {rows}")
+    require(0 < rows <= kq.DENSE_ROWS, op, f"takes 1..{kq.DENSE_ROWS} rows, got {rows}")
     require(not (gated and norm is not None), op, "a gated input is not normed")
     require(width == (2 * k if gated else k), op, f"x has {width} columns for a weight of {k} inputs"
             + (" (gated: twice as many)" if gated else ""))
@@ -141,7 +140,6 @@ def dense_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tenso
     k_split = triton.cdiv(k_blocks, splits) * config.block_k
     splits = triton.cdiv(k, k_split)
     formed = norm is not None or gated      # an input formed in the kernel: on the rows that can be real only
-    block_l = kq.rows_bucket(rows, kq.DENSE)
     out = torch.empty((rows, n), device=x.device, dtype=x.dtype)
     partial = torch.empty((splits, rows, n), device=x.device, dtype=torch.float32) if splits > 1 else out
     _dense_gemv_kernel[(n_blocks, splits)](
@@ -149,7 +147,7 @@ def dense_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tenso
         kq._arrival_counters(x.device, n_blocks), rows, n, k, x.stride(0), weight.stride(0), k_split, eps,
         SPLIT=splits > 1, NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None,
         IEEE=x.dtype == torch.float32 or INTERPRETED, ASM=not INTERPRETED, EVEN_K=k % config.block_k == 0,
-        NORM_K=k if norm is not None else 0, ROWS=triton.next_power_of_2(rows) if formed else block_l,
-        BLOCK_L=block_l, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        NORM_K=k if norm is not None else 0, ROWS=triton.next_power_of_2(rows) if formed else kq.DENSE_ROWS,
+        BLOCK_L=kq.DENSE_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
         LINE=min(128 // weight.element_size(), config.block_k), num_stages=config.num_stages, **pdl_launch(pdl))
     return out

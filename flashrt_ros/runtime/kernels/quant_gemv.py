@@ -48,8 +48,7 @@ GEMV_MAX_ROWS = 256                 # the most rows the fused kernel takes (Quan
 ROW_BUCKETS = (1, 16, 32, 64)       # rows per program (BLOCK_L); the table's rows key; more rows: more programs
 WEIGHT_KINDS = ("fp8", "fp8-block", "nvfp4")   # the table's weight key: fp8 per channel, fp8 block-scaled, nvfp4
 DENSE = "dense"                     # the table's weight key of the dense GEMV (:mod:`.dense_gemv`)
-DENSE_ROWS = 16                     # its decode bucket: 1..16 rows (decode, verify) share one configuration, so one
-DENSE_ROW_BUCKETS = (DENSE_ROWS, 32, 64)   # reduction order; small pieces of 17..32 and 33..64 rows one each
+DENSE_ROWS = 16                     # its one rows bucket: 1..16 rows share one configuration, so one reduction order
 _DEQUANT_BLOCK_N, _DEQUANT_BLOCK_K = 32, 256
 
 
@@ -65,7 +64,7 @@ class GemvConfig(NamedTuple):
 
 def rows_bucket(rows: int, kind: str = "") -> int:
     if kind == DENSE:
-        return next((b for b in DENSE_ROW_BUCKETS if b >= rows), DENSE_ROW_BUCKETS[-1])
+        return DENSE_ROWS
     return next((b for b in ROW_BUCKETS if b >= rows), ROW_BUCKETS[-1])
 
 
