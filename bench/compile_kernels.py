@@ -1,7 +1,7 @@
 """Compile every Triton kernel of the runtime for a CUDA target, without a GPU, at the launches the engine makes.
 
     python bench/compile_kernels.py [--arch 90 --arch 110] [--presets tiny,qwen3.5-0.8b,qwen3.6-27b]
-                                    [--dtypes bfloat16,float32] [--max-context 16384] [--pdl] [--json out.json]
+                                    [--dtypes bfloat16,float32] [--max-context 16384] [--json out.json]
 
 Triton's frontend (AST -> TTIR -> TTGIR -> LLVM -> PTX) runs without a device, and so does ptxas (PTX -> cubin), so
 a kernel that a Triton version cannot build shows up here, on any machine (e.g. triton 3.6's "CompilationError at
@@ -19,11 +19,6 @@ so a 27B layout costs little memory. The presets' layouts are kept (hidden size,
 vocabulary sizes); only the layer count is cut to one Gated DeltaNet and one attention layer (plus the MTP head),
 which run the same launches as all of them. A kernel of the package that no launch reaches is an error too (a new
 kernel must be added here).
-
-With ``--pdl`` the forward's, the step's and the fused GEMVs' kernels are launched as the engine launches them under
-programmatic dependent launch (``EngineConfig.pdl``; the dequantise kernel of long pieces never is), and each result
-counts the grid-dependency instructions and L2 prefetches
-in its PTX.
 
 Each distinct compile is reported as ``cubin`` (all stages), ``ptx only`` (the frontend built PTX, ptxas refused it:
 the message says why) or ``FAILED`` (the frontend itself failed). Exit status 1 when anything is not ``cubin`` or a
@@ -72,8 +67,6 @@ FP8_BLOCK = 128                                            # compressed-tensors'
 PIECES = list(range(PIECE_BUCKET, SMALL_PIECE + 1, PIECE_BUCKET))   # the engine's small-piece buckets
 QUANT_KERNELS = ("_dequant_kernel", "_quant_gemv_kernel")
 LONG_PIECE = 2 * SMALL_PIECE                               # an eager piece: the tiled conv and its state launch
-PTX_COUNTS = (("gdc_waits", "griddepcontrol.wait"), ("gdc_launches", "griddepcontrol.launch_dependents"),
-              ("l2_prefetches", "prefetch.global.L2"))
 
 
 @dataclasses.dataclass
@@ -124,7 +117,7 @@ class _ShapeOnly(nn.Module):
         return torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)
 
 
-def _layout_model(preset: str, dtype: torch.dtype, max_context: int, pdl: bool) -> Qwen35:
+def _layout_model(preset: str, dtype: torch.dtype, max_context: int) -> Qwen35:
     """The preset's layout with one layer of each kind (and the MTP head), weights uninitialised, fused projections,
     linear layers shape-only, bound to an arena and the fused kernel set."""
     cfg = dataclasses.replace(PRESETS[preset], layer_types=("linear_attention", "full_attention"))
@@ -136,8 +129,7 @@ def _layout_model(preset: str, dtype: torch.dtype, max_context: int, pdl: bool) 
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, _ShapeOnly(module.out_features))
     model = model.to_empty(device="cpu").to(dtype)
-    kernels = kernel_sets.with_pdl(kernel_sets.TRITON) if pdl else kernel_sets.TRITON
-    model.bind(Arena(buffer_specs(cfg, max_context, dtype), torch.device("cpu")), kernels)
+    model.bind(Arena(buffer_specs(cfg, max_context, dtype), torch.device("cpu")), kernel_sets.TRITON)
     return model
 
 
@@ -150,9 +142,8 @@ def kv_buckets(max_context: int) -> list[int]:
     return sizes + [max_context]
 
 
-def record_model(recorder: _Recorder, preset: str, dtype: torch.dtype, max_context: int, pieces: list[int],
-                 pdl: bool) -> None:
-    model = _layout_model(preset, dtype, max_context, pdl)
+def record_model(recorder: _Recorder, preset: str, dtype: torch.dtype, max_context: int, pieces: list[int]) -> None:
+    model = _layout_model(preset, dtype, max_context)
     tokens = torch.zeros(LONG_PIECE, dtype=torch.int64)
     count = torch.ones((), dtype=torch.int64)
     with torch.no_grad():
@@ -170,7 +161,7 @@ def record_model(recorder: _Recorder, preset: str, dtype: torch.dtype, max_conte
         model.forward(tokens, LONG_PIECE, dense=True)
 
 
-def record_quant(recorder: _Recorder, preset: str, dtype: torch.dtype, pdl: bool) -> None:
+def record_quant(recorder: _Recorder, preset: str, dtype: torch.dtype) -> None:
     for n, k in preset_projection_shapes(preset):
         fp8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
         nvfp4 = (torch.empty(n, k // 2, dtype=torch.uint8),
@@ -182,29 +173,28 @@ def record_quant(recorder: _Recorder, preset: str, dtype: torch.dtype, pdl: bool
         for fmt, (fused, tensors) in weights.items():
             for rows in GEMV_ROWS:
                 recorder.origin = f"{preset}/{dtype} {fmt} GEMV {rows}x{k} -> {n}"
-                fused(torch.empty(rows, k, dtype=dtype), *tensors, pdl=pdl)
+                fused(torch.empty(rows, k, dtype=dtype), *tensors)
             recorder.origin = f"{preset}/{dtype} {fmt} dequantise {n}x{k}"
             quant_gemv.dequantize_triton(tensors[0], tensors[1], tensors[2] if fmt == "nvfp4" else None, dtype)
 
 
-def record_step(recorder: _Recorder, preset: str, dtype: torch.dtype, pdl: bool) -> None:
+def record_step(recorder: _Recorder, preset: str, dtype: torch.dtype) -> None:
     """What a decode or verify step launches besides the forward: the greedy pick over the vocabulary (one row, a
     verify's rows), and (``dense_gemv: triton``) the dense GEMV of every projection shape with each of its fusions."""
     vocab = PRESETS[preset].vocab_size
     for rows in (1, STEP_ROWS):
         recorder.origin = f"{preset}/{dtype} greedy pick {rows}x{vocab}"
-        pick.greedy_pick_triton(torch.empty(rows, vocab), torch.empty(rows, -(-vocab // 32), dtype=torch.int32), (),
-                                pdl=pdl)
+        pick.greedy_pick_triton(torch.empty(rows, vocab), torch.empty(rows, -(-vocab // 32), dtype=torch.int32), ())
     for n, k in preset_projection_shapes(preset):
         weight = torch.empty(n, k, dtype=dtype)
         for rows in (1, dense_gemv.MAX_ROWS):
             x, gate_up = torch.empty(rows, k, dtype=dtype), torch.empty(rows, 2 * k, dtype=dtype)
             for fusion, call in (
-                    ("plain", lambda: dense_gemv.dense_linear_triton(x, weight, pdl=pdl)),
-                    ("norm", lambda: dense_gemv.dense_linear_triton(x, weight, torch.empty(k), 1e-6, pdl=pdl)),
-                    ("gated", lambda: dense_gemv.dense_linear_triton(gate_up, weight, gated=True, pdl=pdl)),
+                    ("plain", lambda: dense_gemv.dense_linear_triton(x, weight)),
+                    ("norm", lambda: dense_gemv.dense_linear_triton(x, weight, torch.empty(k), 1e-6)),
+                    ("gated", lambda: dense_gemv.dense_linear_triton(gate_up, weight, gated=True)),
                     ("residual", lambda: dense_gemv.dense_linear_triton(
-                        x, weight, residual=torch.empty(rows, n, dtype=dtype), pdl=pdl))):
+                        x, weight, residual=torch.empty(rows, n, dtype=dtype)))):
                 recorder.origin = f"{preset}/{dtype} dense GEMV {rows}x{k} -> {n}, {fusion}"
                 call()
 
@@ -246,16 +236,13 @@ def compile_all(launches: list[Launch], arch: int) -> list[dict]:
             compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
                                       options=options.__dict__)
             status, error = ("cubin" if "cubin" in compiled.asm else "ptx only"), ""
-            ptx = compiled.asm.get("ptx", "")
         except Exception as err:  # noqa: BLE001 - every failure is reported, none stops the run
-            text, ptx = str(err).strip(), ""
+            text = str(err).strip()
             status = "ptx only" if type(err).__name__ == "PTXASError" else "FAILED"
             error = f"{type(err).__name__}: {text}"
         result = {"kernel": launch.kernel.__name__, "arch": f"sm_{arch}", "status": status,
                   "constexprs": _describe(launch.kernel, constexprs), "first_launch": launch.origin,
-                  "launches": 1, "seconds": round(time.perf_counter() - started, 2), "error": error,
-                  "launch_pdl": bool(options.launch_pdl),
-                  **{name: ptx.count(instruction) for name, instruction in PTX_COUNTS}}
+                  "launches": 1, "seconds": round(time.perf_counter() - started, 2), "error": error}
         seen[key] = result
         results.append(result)
         mark = "ok  " if status == "cubin" else "FAIL"
@@ -274,19 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pieces", default=",".join(map(str, PIECES)),
                         help="small-piece buckets to run (default: every bucket the engine captures)")
     parser.add_argument("--no-quant", action="store_true", help="skip the quantized GEMV and dequantise kernels")
-    parser.add_argument("--pdl", action="store_true",
-                        help="launch as the engine does with programmatic dependent launch")
     parser.add_argument("--json", type=Path, help="write every result here")
     args = parser.parse_args(argv)
     recorder = _Recorder()
     with recorder.recording():
         for preset in args.presets.split(","):
             for dtype in (DTYPES[d] for d in args.dtypes.split(",")):
-                record_model(recorder, preset, dtype, args.max_context, [int(p) for p in args.pieces.split(",")],
-                             args.pdl)
-                record_step(recorder, preset, dtype, args.pdl)
+                record_model(recorder, preset, dtype, args.max_context, [int(p) for p in args.pieces.split(",")])
+                record_step(recorder, preset, dtype)
                 if not args.no_quant:
-                    record_quant(recorder, preset, dtype, args.pdl)
+                    record_quant(recorder, preset, dtype)
     print(f"triton {triton.__version__}, torch {torch.__version__}: {len(recorder.launches)} launches recorded",
           flush=True)
     results = [r for arch in (args.arch or [90]) for r in compile_all(recorder.launches, arch)]

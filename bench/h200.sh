@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# delta-sweep | attention-sweep (ATTENTION_PRESETS) | pdl | pdl-quant |
+# delta-sweep | attention-sweep (ATTENTION_PRESETS) |
 # capsules | load | gemv | vision | constraint | spec | spec-27b (DENSE_GEMV: cublas or triton for the last three; spec takes
 # SPEC_MODEL, SPEC_VOCABS, spec-27b SPEC_ACCEPTANCE); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
-# PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, PROFILE_DENSE_GEMV, PROFILE_PDL, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips)
+# PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, PROFILE_DENSE_GEMV, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips)
 # and GEMV_SPEC (0 skips its bench-spec runs))
 # Every phase keeps its whole log under $OUT/<card>_<commit>/ (the device tool returns only the output's tail).
 # The wheels in .whl, where there are any (what the machine lacks: fla-core 0.6.0 and einops, llguidance 1.9.1; `pip download
@@ -57,27 +57,6 @@ for phase in "$@"; do
         timeout 240 python3 bench/time_attention.py $preset 1,24 --context 16384 --sweep \
             --out "$OUT/attention_sweep_$preset.json" > "$OUT/attention_sweep_$preset.log" 2>&1
         echo "attention sweep $preset rc=$?"; grep -v -i warn "$OUT/attention_sweep_$preset.log"
-      done
-      ;;
-    pdl)  # programmatic dependent launch: its GPU tests and the dense GEMV's, then the 0.8B with
-          # dense_gemv triton under PDL (capsule TTFT, decode, and decode on each GEMV path) beside the default engine
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_runtime_pdl.py \
-          test/runtime/test_kernels_dense_gemv.py > "$OUT/pdl_pytest.log" 2>&1; echo "pytest rc=$?"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pdl_pytest.log" | tail -8
-      for variant in triton-pdl default; do
-        flags=$([ $variant = default ] || echo "--dense-gemv triton --pdl --dense-gemv-paths cublas,triton,triton+pdl")
-        timeout 240 python3 -m flashrt_ros.tools bench --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
-            --contexts 2048,16384 --repeats 10 --decode-tokens 64 $flags --out "$OUT/pdl_bench_0.8b_$variant.json" \
-            > "$OUT/pdl_bench_0.8b_$variant.log" 2>&1
-        echo "bench $variant rc=$?"; grep -v -i warn "$OUT/pdl_bench_0.8b_$variant.log" | grep "^|"
-      done
-      ;;
-    pdl-quant)  # the quantized formats' decode, plain and under PDL
-      for launch in no-pdl pdl; do
-        timeout 200 python3 -m flashrt_ros.tools bench-quant --model qwen3.5-0.8b --device cuda --dtype bfloat16 \
-            --kernels triton --$launch --formats dense,fp8,nvfp4 --context 2048 --decode-tokens 64 --prefill-tokens 256 \
-            --fidelity-tokens 8 --repeats 3 --out "$OUT/pdl_quant_0.8b_$launch.json" > "$OUT/pdl_quant_0.8b_$launch.log" 2>&1
-        echo "bench-quant $launch rc=$?"; grep -v -i warn "$OUT/pdl_quant_0.8b_$launch.log" | grep "^|" | head -6
       done
       ;;
     bench-0.8b) bench qwen3.5-0.8b 2048,8192,16384 20 ;;
@@ -175,7 +154,7 @@ for phase in "$@"; do
       preset=${PROFILE_PRESET:-qwen3.5-0.8b}; format=${PROFILE_FORMAT:-dense}
       for context in ${PROFILE_CONTEXTS:-16384 8192}; do
         for drafts in ${PROFILE_DRAFTS:-0}; do
-          log="$OUT/profile_${preset}_${format}_${context}_d${drafts}${PROFILE_DENSE_GEMV:+_$PROFILE_DENSE_GEMV}${PROFILE_PDL:+_pdl}.txt"
+          log="$OUT/profile_${preset}_${format}_${context}_d${drafts}${PROFILE_DENSE_GEMV:+_$PROFILE_DENSE_GEMV}.txt"
           timeout "${BENCH_TIMEOUT_S:-540}" python3 bench/profile_step.py $preset $context 24 $format $drafts \
               ${PROFILE_DRAFT_VOCAB:-0} > "$log" 2>&1
           echo "profile $context drafts $drafts rc=$?"; grep -E " ms$|graphs" "$log"

@@ -2,8 +2,7 @@
 run on the device: ``python3 bench/profile_step.py PRESET CONTEXT [SUFFIX] [WEIGHTS_FORMAT] [SPECULATIVE_TOKENS]``
 prints the replay times and, per step, the top kernels by device time (torch.profiler). With SPECULATIVE_TOKENS k > 0
 the decode step profiled is the speculative plan's step with k drafts; PROFILE_DENSE_GEMV=triton profiles the Triton
-dense GEMVs (``EngineConfig.dense_gemv``) instead of cuBLAS, PROFILE_PDL=1 launches the Triton kernels with programmatic
-dependent launch (``EngineConfig.pdl``)."""
+dense GEMVs (``EngineConfig.dense_gemv``) instead of cuBLAS."""
 import os
 import sys
 
@@ -27,8 +26,7 @@ carried = drafts > 0 and os.environ.get("PROFILE_CARRIED", "1") == "1"
 engine = Engine(EngineConfig(model=preset, device="cuda", dtype="bfloat16", max_context=context + 128,
                              prefill_chunk=2048, checksum_on_snapshot=False, weights_format=weights_format,
                              capsule_budget_bytes=16 << 30, speculative_tokens=drafts, draft_vocab=draft_vocab,
-                             dense_gemv=os.environ.get("PROFILE_DENSE_GEMV", "cublas"),
-                             pdl=os.environ.get("PROFILE_PDL") == "1"))
+                             dense_gemv=os.environ.get("PROFILE_DENSE_GEMV", "cublas")))
 device = engine.device
 engine.ingest(prompt_tokens(engine.vocab_size, context, "profile"))
 engine.snapshot("base")

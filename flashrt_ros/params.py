@@ -42,9 +42,6 @@ PARAMETERS: list[tuple[str, Any, str, Optional[tuple], Optional[tuple]]] = [
     ("dense_gemv", "cublas", "dense projections of decode and speculative verify (<= 8 rows) with the Triton kernels: "
      "cublas, or triton (one Triton GEMV each, with the norm, silu_mul and residual add fused; its capsules do not "
      "move to a cublas engine)", None, DENSE_GEMV_CHOICES),
-    ("pdl", False, "launch the Triton kernels with programmatic dependent launch where the GPU has it (sm_90+: "
-     "Hopper, Thor): each kernel starts while the one before finishes, the dense GEMV prefetching its weights; no "
-     "byte changes, capsules move freely between on and off", None, None),
     ("weights_format", "dense", "weight quantization: dense (weights in dtype), fp8 (E4M3) or nvfp4 (4-bit)", None,
      quant.FORMATS),
     ("weights_exclude", "", "comma-separated patterns of projections kept dense, e.g. '*.linear_attn.*,lm_head'",
@@ -195,7 +192,7 @@ def read_settings(node) -> NodeSettings:
         engine=EngineConfig(
             model=p["model"], device=p["device"], dtype=p["dtype"], max_context=p["max_context"],
             prefill_chunk=p["prefill_chunk"], cuda_graphs=p["cuda_graphs"], kernels=p["kernels"],
-            dense_gemv=p["dense_gemv"], pdl=p["pdl"],
+            dense_gemv=p["dense_gemv"],
             capsule_budget_bytes=p["capsule_budget_mb"] << 20, history_depth=p["history_depth"], seed=p["seed"],
             weights_format=p["weights_format"], weights_exclude=quant.parse_patterns(p["weights_exclude"]),
             capsule_budget_fraction=p["capsule_budget_fraction"], capsule_dir=p["capsule_dir"],

@@ -66,7 +66,6 @@ class EngineConfig:
     use_fla: bool = True                # fla-core chunked kernel for long prefill pieces on CUDA when installed
     kernels: str = "auto"               # auto | triton | reference (see kernels.select)
     dense_gemv: str = "cublas"          # cublas | triton: the dense projections of decode and verify (kernels.select)
-    pdl: bool = False                   # Triton kernels under programmatic dependent launch, sm_90+ (kernels.select)
     weights_format: str = "dense"       # dense | fp8 | nvfp4 (see quant.py)
     weights_exclude: tuple[str, ...] = ()   # fnmatch patterns of projections kept dense (``lm_head``: the LM head)
     capsule_budget_bytes: int = 256 << 20
@@ -171,7 +170,7 @@ class Engine:
         self.arena = Arena(buffer_specs(self.model_config, cfg.max_context, dtype), self.device)
         self._position: int | None = None                     # see the position property
         self.kernels, self.kernel_reason = kernel_sets.select(cfg.kernels, self.device, cfg.use_fla,
-                                                                 cfg.dense_gemv, cfg.pdl)
+                                                                 cfg.dense_gemv)
         _log.info("kernels: %s (%s)", self.kernels.name, self.kernel_reason)
         self.kernel_name = self.kernels.name
         self.model.bind(self.arena, self.kernels)

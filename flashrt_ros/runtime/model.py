@@ -313,14 +313,11 @@ class Qwen35(nn.Module):
 
     def bind(self, arena: Arena, kernels: KernelSet) -> None:
         """Attach the arena and the kernel set; build the static RoPE tables (one row per position), which rotary
-        feature follows which M-RoPE component, and the fp32 norm scales. Quantized projections launch as the
-        kernel set does (``pdl``)."""
+        feature follows which M-RoPE component, and the fp32 norm scales."""
         cfg = self.cfg
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.scale = 1.0 + module.weight.float()
-            elif isinstance(module, QuantLinear):
-                module.pdl = kernels.pdl
         self.arena, self.kernels = arena, kernels
         self.dense_layers = not any(isinstance(m, QuantLinear) for m in self.model.layers.modules())
         max_context = arena["kv"].shape[0]

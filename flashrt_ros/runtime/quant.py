@@ -176,7 +176,6 @@ class QuantLinear(nn.Module):
         self.fmt = weight.fmt
         self.out_features, self.in_features = weight.shape
         self.use_triton = use_triton
-        self.pdl = False            # the fused GEMV under programmatic dependent launch (set by Qwen35.bind)
         self.kind = kq.weight_kind(self.fmt == "nvfp4", self.in_features // weight.scale.shape[1], self.in_features)
         for name, tensor in weight.tensors().items():   # parameters, so the weights digest covers their bytes
             setattr(self, name, nn.Parameter(tensor, requires_grad=False))
@@ -194,7 +193,7 @@ class QuantLinear(nn.Module):
         if not self.use_triton:
             out = reference(flat, *weight.tensors().values())
         elif flat.shape[0] <= kq.fused_max_rows(self.kind, flat.device):
-            out = fused(flat, *weight.tensors().values(), pdl=self.pdl)
+            out = fused(flat, *weight.tensors().values())
         else:
             out = F.linear(flat, kq.dequantize_triton(weight.q, weight.scale, weight.row_scale, x.dtype))
         return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -12,7 +12,6 @@ import torch
 
 from flashrt_ros.runtime.checksum import checksum
 from flashrt_ros.runtime.engine import Engine, EngineConfig
-from flashrt_ros.runtime.kernels import DENSE_GEMV_CHOICES
 from flashrt_ros.runtime.model import rope_inv_freq
 from flashrt_ros.runtime.vision.config import VISUAL
 
@@ -184,28 +183,15 @@ def _decode_floors(engine: Engine, context: int, decode_ms: float, repeats: int)
     return out
 
 
-def decode_path(path: str) -> tuple[str, bool]:
-    """A decode path's ``EngineConfig.dense_gemv`` and ``pdl``: ``triton+pdl`` is the Triton GEMV under
-    programmatic dependent launch."""
-    gemv, _, launch = path.partition("+")
-    return gemv, launch == "pdl"
-
-
-def decode_path_ok(path: str) -> bool:
-    gemv, _, launch = path.partition("+")
-    return gemv in DENSE_GEMV_CHOICES and launch in ("", "pdl")
-
-
 def decode_paths(config: EngineConfig, paths: list[str], contexts: list[int], decode_tokens: int,
                  repeats: int) -> list[dict]:
-    """Decode ms/token of each dense GEMV path (:func:`decode_path`; one engine each, built in turn in this
+    """Decode ms/token of each dense GEMV path (``EngineConfig.dense_gemv``; one engine each, built in turn in this
     process) after each context, against the weight floor (the decode step's weight bytes at the copy bandwidth,
     both measured now) and the full floor (weights, state and KV). ``same_tokens``: its greedy tokens equal the
     first path's (bf16 rounding may tip a near tie)."""
     rows, bandwidth, first = [], None, {}
     for path in paths:
-        gemv, pdl = decode_path(path)
-        engine = Engine(dataclasses.replace(config, dense_gemv=gemv, pdl=pdl))
+        engine = Engine(dataclasses.replace(config, dense_gemv=path))
         bandwidth = bandwidth or floors.copy_bandwidth_bytes_per_s(engine.device)
         for context in contexts:
             engine.reset()
@@ -221,8 +207,7 @@ def decode_paths(config: EngineConfig, paths: list[str], contexts: list[int], de
             moved = floors.decode_bytes(engine, context)
             weight_floor_ms = 1000.0 * moved["weight_bytes"] / bandwidth
             decode_ms = statistics.median(times)
-            rows.append({"dense_gemv": path, "kernels": engine.kernel_name, "pdl": engine.kernels.pdl,
-                         "context": context,
+            rows.append({"dense_gemv": path, "kernels": engine.kernel_name, "context": context,
                          "decode_ms_per_token": decode_ms, "weight_floor_ms": weight_floor_ms,
                          "decode_over_weight_floor": decode_ms / weight_floor_ms,
                          "decode_floor_ms": 1000.0 * moved["total_bytes"] / bandwidth,
@@ -255,7 +240,7 @@ def device_is_cuda(engine: Engine) -> bool:
     return engine.device.type == "cuda"
 
 
-COLUMNS = [("dense_gemv", "{}"), ("pdl", "{}"), ("context", "{}"),
+COLUMNS = [("dense_gemv", "{}"), ("context", "{}"),
            ("capsule_bytes", "{:,}"), ("snapshot_p50_ms", "{:.3f}"), ("snapshot_p99_ms", "{:.3f}"),
            ("restore_p50_ms", "{:.3f}"), ("restore_p99_ms", "{:.3f}"), ("copy_floor_p50_ms", "{:.3f}"),
            ("restore_over_floor", "{:.2f}"), ("delta_snapshot_p50_ms", "{:.3f}"), ("lineage_restore_p50_ms", "{:.3f}"),

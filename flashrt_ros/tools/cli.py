@@ -21,7 +21,7 @@ from flashrt_ros.runtime.vision.preprocess import DEFAULT_MAX_PIXELS, DEFAULT_MI
 
 from . import (bench_capsules, bench_constraint, bench_image_ttft, bench_quant, bench_spec, bench_vision, plan,
                provenance, ttft)
-from .bench import bench_context, cold_prefill_profile, decode_path_ok, decode_paths, markdown_table
+from .bench import bench_context, cold_prefill_profile, decode_paths, markdown_table
 from .verify import verify
 
 
@@ -37,8 +37,6 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="kernel set (auto: Triton where a start-up probe passes)")
     parser.add_argument("--dense-gemv", default=EngineConfig.dense_gemv, choices=DENSE_GEMV_CHOICES,
                         help="dense projections of decode and verify with the Triton kernel set: cuBLAS or its GEMV")
-    parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=EngineConfig.pdl,
-                        help="launch the Triton kernels with programmatic dependent launch (sm_90+)")
     parser.add_argument("--capsule-budget-mb", type=int, default=None)
     parser.add_argument("--weights-seed", type=int, default=0, help="weights seed for presets")
     parser.add_argument("--weights-format", default="dense", choices=quant.FORMATS, help="weight quantization")
@@ -53,7 +51,7 @@ def _config(args, max_context: int, chunk: int, budget_mb: int, checksum: bool =
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         max_context=args.max_context or max_context, prefill_chunk=args.prefill_chunk or chunk,
                         cuda_graphs=not args.no_cuda_graphs, use_fla=not args.no_fla, kernels=args.kernels,
-                        dense_gemv=args.dense_gemv, pdl=args.pdl,
+                        dense_gemv=args.dense_gemv,
                         capsule_budget_bytes=(args.capsule_budget_mb or budget_mb) << 20, seed=args.weights_seed,
                         checksum_on_snapshot=checksum, weights_format=args.weights_format,
                         weights_exclude=quant.parse_patterns(args.weights_exclude), draft_vocab=args.draft_vocab,
@@ -102,10 +100,9 @@ def cmd_bench(args) -> dict:
                                                        "--weights-format dense (bench-quant compares the formats)")
     contexts = [int(c) for c in args.contexts.split(",")]
     paths = [p for p in args.dense_gemv_paths.split(",") if p]
-    if not all(map(decode_path_ok, paths)) or (args.decode_only and not paths):
-        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"--dense-gemv-paths takes some of {DENSE_GEMV_CHOICES}, "
-                                                       f"each optionally +pdl (needed with --decode-only), got "
-                                                       f"{args.dense_gemv_paths!r}")
+    if set(paths) - set(DENSE_GEMV_CHOICES) or (args.decode_only and not paths):
+        raise FlashRTError(ErrorCode.INVALID_ARGUMENT, f"--dense-gemv-paths takes some of {DENSE_GEMV_CHOICES} "
+                                                       f"(needed with --decode-only), got {args.dense_gemv_paths!r}")
     config = _config(args, max(contexts) + 24 + args.decode_tokens + 8, ttft.BENCH_PREFILL_CHUNK, 8192,
                      checksum=False)
     result, tables = {"model": args.model, "device": args.device, "dtype": args.dtype}, []
@@ -223,8 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--compare-hf", action="store_true", help="also time transformers on the same weights")
     ben.add_argument("--profile", action="store_true", help="also profile one cold prefill at the largest context")
     ben.add_argument("--dense-gemv-paths", default="", help="also decode with each of these dense GEMV paths, "
-                     "e.g. cublas,triton,triton+pdl (+pdl: under programmatic dependent launch): ms/token side by "
-                     "side against the weight floor")
+                     "e.g. cublas,triton: ms/token side by side against the weight floor")
     ben.add_argument("--decode-only", action="store_true", help="only the --dense-gemv-paths decode comparison")
     ben.add_argument("--out", help="write the JSON result here too")
     ben.set_defaults(func=cmd_bench)

@@ -87,24 +87,3 @@ def test_the_dense_gemvs_fusions_form_only_the_decode_rows_in_sm90_sass(tmp_path
         if fusion == "norm":
             assert report["loads_before_first_barrier"] >= 3584 // 128, report
     assert per_weight["norm"] < 2 * per_weight["plain"] and per_weight["gated"] < 2 * per_weight["plain"], per_weight
-
-
-@pytest.mark.skipif(not CUDA_BACKEND, reason="needs triton with its CUDA backend (no GPU needed)")
-@pytest.mark.timeout(300)
-def test_under_pdl_every_step_kernel_waits_then_releases_and_the_gemv_prefetches_its_weights(tmp_path):
-    """EngineConfig.pdl's launches (bench/compile_kernels.py --pdl): every kernel of the forward, the step and the
-    quantized projections is launched with the attribute and its PTX holds the grid-dependency wait and the release
-    of its dependents; the GEMVs also prefetch their weights into L2 (before the wait: their only reads there are
-    weights). The dequantise kernel of long pieces launches plainly."""
-    out = tmp_path / "compile.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--presets", "tiny", "--dtypes", "bfloat16",
-                           "--max-context", "256", "--pieces", "8,40", "--pdl", "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=280, check=False)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    results = json.loads(out.read_text())["results"]
-    assert len({r["kernel"] for r in results}) >= 14
-    for r in results:
-        launched = r["kernel"] != "_dequant_kernel"
-        assert r["launch_pdl"] == launched and (r["gdc_waits"] >= 1 and r["gdc_launches"] >= 1) == launched, r
-        assert (r["l2_prefetches"] > 0) == (r["kernel"] in ("_dense_gemv_kernel", "_quant_gemv_kernel")), r

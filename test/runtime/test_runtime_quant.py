@@ -347,18 +347,14 @@ def test_quant_linear_takes_the_fused_gemv_up_to_its_rows_and_a_gemm_beyond(monk
     layer = quant.QuantLinear(weight, use_triton=True)
     calls = []
     monkeypatch.setitem(quant._LINEAR, "nvfp4", (kq.nvfp4_linear_reference,
-                                                 lambda *a, pdl: calls.append(f"fused pdl={pdl}")
-                                                 or kq.nvfp4_linear_reference(*a)))
+                                                 lambda *a: calls.append("fused") or kq.nvfp4_linear_reference(*a)))
     monkeypatch.setattr(kq, "dequantize_triton", lambda *a: calls.append("dequantise") or weight.dequantize())
     monkeypatch.setattr(kq.quant_gemv_configs, "TABLE", {"cpu": {"configs": {}, "fused_max_rows": {"nvfp4": limit}}})
     x = torch.randn(kq.GEMV_MAX_ROWS + 1, 64, generator=gen(10))
     layer(x[:limit].reshape(limit, 1, 64))
     layer(x[:limit + 1])
     assert torch.allclose(layer(x), kq.nvfp4_linear_reference(x, *weight.tensors().values()), atol=1e-5)
-    assert calls == ["fused pdl=False", "dequantise", "dequantise"]
-    layer.pdl = True                                     # Qwen35.bind sets it from the kernel set
-    layer(x[:1])
-    assert calls[-1] == "fused pdl=True"
+    assert calls == ["fused", "dequantise", "dequantise"]
     assert quant.QuantLinear(weight, use_triton=False)(x).shape == (kq.GEMV_MAX_ROWS + 1, 16)
 
 

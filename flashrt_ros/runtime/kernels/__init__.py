@@ -7,13 +7,12 @@ rebinding them, so the same code runs eagerly on the CPU and inside captured CUD
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Callable
 
 import torch
 
-from ._triton import IMPORT_ERROR, pdl_unsupported, triton
+from ._triton import IMPORT_ERROR, triton
 from .activations import silu_mul, silu_mul_triton
 from .attention import (attention_causal, attention_decode_reference, attention_decode_triton, attention_masked,
                         attention_prefill, output_gate)
@@ -34,8 +33,7 @@ __all__ = ["CHOICES", "DENSE_GEMV_CHOICES", "KernelSet", "REFERENCE", "TRITON", 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSet:
-    """The functions the model calls, by operation. ``name`` goes into the fingerprint and /diagnostics; ``pdl``
-    (the Triton kernels launched with programmatic dependent launch) does not: it changes no byte."""
+    """The functions the model calls, by operation. ``name`` goes into the fingerprint and /diagnostics."""
     name: str
     rms_norm: Callable
     add_rms_norm: Callable
@@ -51,7 +49,6 @@ class KernelSet:
     attention_prefill: Callable    # queries that are the last L of exactly T positions
     greedy_pick: Callable          # the argmax of each logits row over the tokens its mask words allow
     dense_linear: Callable | None = None   # dense projections of <= dense_gemv.MAX_ROWS rows (None: F.linear, cuBLAS)
-    pdl: bool = False
 
 
 REFERENCE = KernelSet(
@@ -84,33 +81,17 @@ def _with_dense_gemv(kernels: KernelSet) -> KernelSet:
     return dataclasses.replace(kernels, name=f"{kernels.name}+gemv", dense_linear=dense_linear_triton)
 
 
-# The operations whose Triton functions take ``pdl`` (the others are SDPA, fla-core or PyTorch).
-PDL_OPERATIONS = ("rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul", "causal_conv", "causal_conv_rows",
-                  "qk_norm_rope_kv_write", "gated_delta_rule", "gated_delta_rule_rows", "attention_decode",
-                  "greedy_pick", "dense_linear")
-
-
-def with_pdl(kernels: KernelSet) -> KernelSet:
-    """The Triton set with every launch under programmatic dependent launch (see :func:`._triton.await_inputs`)."""
-    launches = {op: functools.partial(getattr(kernels, op), pdl=True) for op in PDL_OPERATIONS
-                if getattr(kernels, op) is not None}
-    return dataclasses.replace(kernels, pdl=True, **launches)
-
-
 CHOICES = ("auto", "triton", "reference")
 DENSE_GEMV_CHOICES = ("cublas", "triton")   # dense projections of decode and verify: F.linear, or dense_gemv's
 
 
-def select(choice: str, device: torch.device, use_fla: bool, dense_gemv: str = "cublas",
-           pdl: bool = False) -> tuple[KernelSet, str]:
+def select(choice: str, device: torch.device, use_fla: bool, dense_gemv: str = "cublas") -> tuple[KernelSet, str]:
     """The kernel set for ``device`` and why. ``auto``: on CUDA, Triton where a start-up probe compiles and runs a
     kernel on the device and matches the reference, else the reference; on the CPU, the reference. ``triton``
     insists (raises if it cannot run); on the CPU it needs Triton's interpreter (TRITON_INTERPRET=1, for tests).
     ``dense_gemv`` ``triton``: the Triton set also multiplies the dense projections of up to
     ``dense_gemv.MAX_ROWS`` rows (decode, verify) with :func:`.dense_gemv.dense_linear_triton` and its fusions,
-    where a probe of that kernel passes too (else ``F.linear``, with the reason; the reference set keeps it).
-    ``pdl``: the Triton set's kernels are launched with programmatic dependent launch where the device has it
-    (sm_90 or newer, compiled kernels) and a probe of it passes; else plainly, with the reason."""
+    where a probe of that kernel passes too (else ``F.linear``, with the reason; the reference set keeps it)."""
     if choice not in CHOICES:
         raise ValueError(f"kernels must be one of {CHOICES}, got {choice!r}")
     if dense_gemv not in DENSE_GEMV_CHOICES:
@@ -135,26 +116,15 @@ def select(choice: str, device: torch.device, use_fla: bool, dense_gemv: str = "
             chosen = _with_dense_gemv(chosen)
         else:
             reason = f"{reason}; dense projections stay F.linear: {failure}"
-    if fast and pdl:
-        failure = pdl_unsupported(device) or _probe_triton(device, functools.partial(_rms_norm_case, pdl=True))
-        if failure is None:
-            chosen, reason = with_pdl(chosen), f"{reason}; programmatic dependent launch"
-        else:
-            reason = f"{reason}; no programmatic dependent launch: {failure}"
     return chosen, reason
 
 
-def _rms_norm_case(device: torch.device, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """(Triton's output, the reference's, rtol, atol) of the start-up probe's RMSNorm. With ``pdl`` (programmatic
-    dependent launch's probe) two norms, both launched with it, the second reading the first's output: a wait that
-    did not hold would read stale bytes."""
+def _rms_norm_case(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """(Triton's output, the reference's, rtol, atol) of the start-up probe's RMSNorm."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(4, 64, generator=generator).to(device)
     scale = (1.0 + 0.1 * torch.randn(64, generator=generator)).to(device)
-    got, want = TRITON.rms_norm(x, scale, 1e-6, pdl=pdl), rms_norm(x, scale, 1e-6)
-    if pdl:
-        got, want = TRITON.rms_norm(got, scale, 1e-6, pdl=True), rms_norm(want, scale, 1e-6)
-    return got, want, 1e-4, 1e-5
+    return TRITON.rms_norm(x, scale, 1e-6), rms_norm(x, scale, 1e-6), 1e-4, 1e-5
 
 
 def _dense_gemv_case(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float, float]:

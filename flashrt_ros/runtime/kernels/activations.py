@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from ._layout import require, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import await_inputs, jit, pdl_launch, tl, triton
+from ._triton import jit, tl, triton
 
 _BLOCK = 1024
 
@@ -19,8 +19,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @jit
-def _silu_mul_kernel(gu_ptr, gu_row, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    await_inputs(PDL)
+def _silu_mul_kernel(gu_ptr, gu_row, out_ptr, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -30,9 +29,9 @@ def _silu_mul_kernel(gu_ptr, gu_row, out_ptr, inter, BLOCK: tl.constexpr, PDL: t
     tl.store(out_ptr + row * inter + cols, round_like(silu * up, out_ptr).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul_triton(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     """:func:`silu_mul` in one launch. gate_up: [L, 2I], unit column stride, any row stride. Returns [L, I]
-    contiguous. ``pdl``: launched with programmatic dependent launch (:func:`._triton.await_inputs`)."""
+    contiguous."""
     op = "silu_mul_triton"
     require_launchable(op, gate_up)
     require_rows(op, "gate_up", gate_up, 2)
@@ -41,5 +40,5 @@ def silu_mul_triton(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     length, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((length, inter), dtype=gate_up.dtype, device=gate_up.device)
     _silu_mul_kernel[(length, triton.cdiv(inter, _BLOCK))](gate_up, gate_up.stride(0), out, inter, BLOCK=_BLOCK,
-                                                           num_warps=4, **pdl_launch(pdl))
+                                                           num_warps=4)
     return out

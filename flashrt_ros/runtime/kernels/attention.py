@@ -13,7 +13,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ._layout import require, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import INTERPRETED, await_inputs, jit, pdl_launch, tl, triton
+from ._triton import INTERPRETED, jit, tl, triton
 
 
 def attention_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -97,13 +97,12 @@ def _dot(a, b, FP32: tl.constexpr):
 def _attention_split_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, pos_ptr,
                             acc_ptr, max_ptr, sum_ptr, length, span, heads, dim, splits, scale,
                             GROUPS: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr):
     """One program per (block of ROWS query rows, KV head, split of SPLIT keys): the ROWS x GROUPS query heads that
     share the KV head are the BLOCK_M rows of one tile, so each K/V block is read once for all of them. Online
     softmax in fp32 over the split's keys up to the block's last position; stores the unnormalised partial output,
     its running max and sum. Keys past a row's position are masked; a split past every row's position reads nothing.
     """
-    await_inputs(PDL)
     kv_head, split = tl.program_id(1), tl.program_id(2)
     m = tl.arange(0, BLOCK_M)
     rows = tl.program_id(0) * ROWS + m // GROUPS
@@ -143,12 +142,11 @@ def _attention_split_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v
 @jit
 def _attention_combine_kernel(acc_ptr, max_ptr, sum_ptr, pos_ptr, gate_ptr, gate_row, gate_head, out_ptr, heads, dim,
                               splits, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-                              BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                              BLOCK_D: tl.constexpr):
     """One program per (query row, head, BLOCK_D of the head's dims): merges the partials of the splits that hold
     keys <= the row's position, CHUNK_S splits per load (the loads of a chunk are independent, so a short bucket is
     one round trip to memory), then applies the output gate with :func:`output_gate`'s roundings (the attention
     output, the sigmoid and the product each rounded to the model dtype)."""
-    await_inputs(PDL)
     row, head = tl.program_id(0), tl.program_id(1)
     live_splits = tl.minimum(tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1, splits)
     base = (row * heads + head) * splits
@@ -211,8 +209,7 @@ def _decode_plan(length: int, kv_heads: int, groups: int, span: int, dim: int, l
 
 
 def attention_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                            gate: torch.Tensor, launch: AttentionLaunch | None = None,
-                            pdl: bool = False) -> torch.Tensor:
+                            gate: torch.Tensor, launch: AttentionLaunch | None = None) -> torch.Tensor:
     """:func:`attention_decode_reference` as flash decoding: the bucket's keys are cut into splits, one program per
     (rows, KV head, split), and a second kernel merges the splits' partial softmaxes and applies the output gate.
     Splits past a row's position cost one position load, so the work follows the live position, not the bucket.
@@ -247,11 +244,10 @@ def attention_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         positions, acc, maxes, sums, length, span, heads, dim, splits, dim ** -0.5, GROUPS=groups, ROWS=plan["rows"],
         SPLIT=plan["split"], BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_D=plan["block_d"],
         FP32_DOT=q.dtype == torch.float32 or INTERPRETED, num_warps=plan["warps"],
-        num_stages=2, **pdl_launch(pdl))
+        num_stages=2)
     out = torch.empty(length, heads, dim, dtype=q.dtype, device=q.device)
     block_s, block_dims = triton.next_power_of_2(splits), min(plan["block_d"], COMBINE_DIMS)
     _attention_combine_kernel[(length, heads, triton.cdiv(dim, block_dims))](
         acc, maxes, sums, positions, gate, gate.stride(0), gate.stride(1), out, heads, dim, splits,
-        SPLIT=plan["split"], BLOCK_S=block_s, CHUNK_S=min(block_s, COMBINE_CHUNK), BLOCK_D=block_dims, num_warps=2,
-        **pdl_launch(pdl))
+        SPLIT=plan["split"], BLOCK_S=block_s, CHUNK_S=min(block_s, COMBINE_CHUNK), BLOCK_D=block_dims, num_warps=2)
     return out

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ._layout import require, require_count, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import await_inputs, jit, pdl_launch, tl, triton
+from ._triton import jit, tl, triton
 
 _BLOCK_C = 128       # channels per program, contiguous in memory (coalesced)
 _BLOCK_L = 32        # output rows per program in a prefill; a piece of at most this many rows is one launch
@@ -81,10 +81,9 @@ def _conv_out(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, t, cols, col_mask,
 @jit
 def _conv_kernel(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, count_ptr, L, C, K: tl.constexpr,
                  K_POW2: tl.constexpr, HAS_COUNT: tl.constexpr, UPDATE_STATE: tl.constexpr,
-                 BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
     """Output rows [pid0 * BLOCK_L, +BLOCK_L) x channels [pid1 * BLOCK_C, +BLOCK_C). With UPDATE_STATE (only when one
     program covers all rows of its channels) it also writes the new state, after all its reads."""
-    await_inputs(PDL)
     t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
@@ -95,10 +94,9 @@ def _conv_kernel(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, count_ptr, L, C
 
 @jit
 def _conv_rows_kernel(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, rows_ptr, rows_row, L, C, K: tl.constexpr,
-                      K_POW2: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                      K_POW2: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
     """Channels [pid * BLOCK_C, +BLOCK_C) of all L rows, and of the state after each row j (rows j - K + 2 .. j of
     cat(state, x)) into ``rows_ptr + j * rows_row``; the state itself is only read."""
-    await_inputs(PDL)
     t = tl.arange(0, BLOCK_L)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
@@ -110,8 +108,7 @@ def _conv_rows_kernel(x_ptr, x_row, state_ptr, w_ptr, w_row, out_ptr, rows_ptr, 
 
 @jit
 def _conv_state_kernel(x_ptr, x_row, state_ptr, count_ptr, L, C, K: tl.constexpr, K_POW2: tl.constexpr,
-                       HAS_COUNT: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-    await_inputs(PDL)
+                       HAS_COUNT: tl.constexpr, BLOCK_C: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     _conv_state_update(x_ptr, x_row, state_ptr, count_ptr, L, cols, cols < C, C, K, K_POW2, HAS_COUNT)
 
@@ -146,7 +143,7 @@ def _check_conv(op: str, x: torch.Tensor, state: torch.Tensor, weight: torch.Ten
 
 
 def causal_conv_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
-                       count: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                       count: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`causal_conv` without copies: x [L, C] with unit column stride and any row stride (a column slice of a
     fused projection), state [K-1, C] contiguous in x's dtype, weight [C, K] (unit last stride). Returns [L, C]
     contiguous. A piece of at most ``_BLOCK_L`` rows (decode) is one launch; a longer one adds a tiny second launch
@@ -159,7 +156,7 @@ def causal_conv_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tenso
     row_blocks, col_blocks = triton.cdiv(length, block_l), triton.cdiv(channels, _BLOCK_C)
     fused = row_blocks == 1
     count_arg = x if count is None else count      # not read without HAS_COUNT
-    shape = dict(K=kernel, K_POW2=triton.next_power_of_2(kernel - 1), HAS_COUNT=count is not None, **pdl_launch(pdl))
+    shape = dict(K=kernel, K_POW2=triton.next_power_of_2(kernel - 1), HAS_COUNT=count is not None)
     _conv_kernel[(row_blocks, col_blocks)](x, x.stride(0), state, weight, weight.stride(0), out, count_arg, length,
                                            channels, UPDATE_STATE=fused, BLOCK_L=block_l, BLOCK_C=_BLOCK_C,
                                            num_warps=4, **shape)
@@ -170,7 +167,7 @@ def causal_conv_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tenso
 
 
 def causal_conv_rows_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
-                            rows: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+                            rows: torch.Tensor) -> torch.Tensor:
     """:func:`causal_conv_rows` in one launch (at most ``_BLOCK_L`` rows); x, state and weight as in
     :func:`causal_conv_triton`; ``rows`` [L, K-1, C] in the state's dtype, each row laid out as the state (any row
     stride: a speculative step's row states)."""
@@ -185,5 +182,5 @@ def causal_conv_rows_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.
     _conv_rows_kernel[(triton.cdiv(channels, _BLOCK_C),)](
         x, x.stride(0), state, weight, weight.stride(0), out, rows, rows.stride(0), length, channels, K=kernel,
         K_POW2=triton.next_power_of_2(kernel - 1), BLOCK_L=triton.next_power_of_2(length), BLOCK_C=_BLOCK_C,
-        num_warps=4, **pdl_launch(pdl))
+        num_warps=4)
     return out

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ._layout import require, require_count, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import INTERPRETED, await_inputs, jit, pdl_launch, tl, triton
+from ._triton import INTERPRETED, jit, tl, triton
 from .norms import l2norm
 
 try:  # optional production kernels (pure Python + Triton); parity-tested against the reference below
@@ -169,12 +169,11 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
                              a_ptr, a_row, a_head, b_ptr, b_row, b_head, a_log_ptr, dt_bias_ptr,
                              s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, rows_ptr, rows_row, length, dk, dv,
                              scale, eps, GROUPS: tl.constexpr, HAS_COUNT: tl.constexpr, STORE_ROWS: tl.constexpr,
-                             JOINT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+                             JOINT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per (value head, block of BLOCK_V value columns): the [dk, BLOCK_V] fp32 state block stays in
     registers over all real rows (read once, written once); padding rows only get zero outputs. With STORE_ROWS the
     state after row t goes to ``rows_ptr + t * rows_row`` (laid out as the state) instead, and the state is only
     read."""
-    await_inputs(PDL)
     head = tl.program_id(0)
     key_head = head // GROUPS
     keys = tl.arange(0, BLOCK_K)
@@ -287,17 +286,17 @@ def gated_delta_rule_rows(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, ro
 
 
 def gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, count: torch.Tensor | None = None,
-                            config: DeltaRuleConfig | None = None, pdl: bool = False) -> torch.Tensor:
+                            config: DeltaRuleConfig | None = None) -> torch.Tensor:
     """:func:`gated_delta_rule_reference` in one launch: a recurrence over the L rows (meant for L <= 64: decode and
     short pieces; long pieces belong to the chunked kernels). Same contract; q, k, v, a, b may be strided views
     (unit last stride); the state [Hv, dk, dv] fp32 needs unit last stride. ``count`` is read on the device;
     ``config`` replaces :func:`launch_config`'s (a sweep)."""
     return _gated_delta_rule_launch("gated_delta_rule_triton", q, k, v, a, b, A_log, dt_bias, state, count, None,
-                                    config, pdl)
+                                    config)
 
 
 def gated_delta_rule_rows_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor,
-                                 rows: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+                                 rows: torch.Tensor) -> torch.Tensor:
     """:func:`gated_delta_rule_rows` in one launch: the recurrence of :func:`gated_delta_rule_triton`, storing the
     state after each row in ``rows`` [L, Hv, dk, dv] fp32 (each row laid out as the state, any row stride)."""
     op = "gated_delta_rule_rows_triton"
@@ -305,10 +304,10 @@ def gated_delta_rule_rows_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Ten
             and rows.dtype == torch.float32 and rows.stride()[1:] == state.stride(), op,
             f"rows must be [L, *state.shape] = {(q.shape[0], *state.shape)} fp32 with the state's layout per row, "
             f"got {tuple(rows.shape)} {rows.dtype} strides {rows.stride()}")
-    return _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, None, rows, None, pdl)
+    return _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, None, rows, None)
 
 
-def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, rows, config, pdl):
+def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, rows, config):
     require_launchable(op, q, k, v, a, b, A_log, dt_bias, state)
     for name, t, ndim in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("a", a, 2), ("b", b, 2)):
         require_rows(op, name, t, ndim)
@@ -332,6 +331,5 @@ def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, ro
         state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count,
         state if rows is None else rows, 0 if rows is None else rows.stride(0), length, dk, dv, dk ** -0.5, 1e-6,
         GROUPS=v_heads // k_heads, HAS_COUNT=count is not None, STORE_ROWS=rows is not None,
-        JOINT=config.joint, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=config.block_v, num_warps=config.num_warps,
-        **pdl_launch(pdl))
+        JOINT=config.joint, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=config.block_v, num_warps=config.num_warps)
     return out

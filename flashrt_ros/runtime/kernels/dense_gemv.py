@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from . import quant_gemv as kq
 from ._layout import require, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import INTERPRETED, await_inputs, jit, pdl_launch, prefetch_rows_l2, tl, triton
+from ._triton import INTERPRETED, jit, tl, triton
 from .activations import silu_mul
 from .norms import rms_norm
 
@@ -59,26 +59,20 @@ def _dense_gemv_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, partial_ptr, ar
                        stride_w, k_split, eps, SPLIT: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                        RESIDUAL: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
                        NORM_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_K: tl.constexpr):
     """One [BLOCK_L, BLOCK_N] output tile over one K slice (program axes: block of W's rows, split-K index). The
     input tile of each step is formed in registers (normed or gated, rounded to the model dtype) for the ROWS >= L
     rows that can be real only, then padded with zero rows to the BLOCK_L the tensor cores take: the transform is
     elementwise, so a row's values, and the product's reduction order, do not depend on ROWS. (In sm_90 SASS the
     gated step formed on all 16 rows took 1761 instructions a loop iteration, against the plain step's 64: 106 on
     the one row of a decode step. A plain input keeps ROWS = BLOCK_L: its tile then goes to shared memory by
-    asynchronous copies, without passing through registers.) With PDL, the program's slice of the weight is
-    prefetched into L2 before it waits for its input: the weight streams in while the kernel before still runs."""
+    asynchronous copies, without passing through registers.)"""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.arange(0, BLOCK_L)
     real = tl.arange(0, ROWS)
     row_ok = rows < N
     real_ok = real < L
     wide_rows = rows.to(tl.int64)
-    k_begin = tl.program_id(1) * k_split
-    k_end = tl.minimum(k_begin + k_split, K)
-    if PDL:
-        prefetch_rows_l2(w_ptr, wide_rows, row_ok, stride_w, k_begin, k_end, BLOCK_K, LINE)
-    await_inputs(PDL)
     x_rows = x_ptr + real[:, None] * stride_x
     if NORM:    # the rows' 1 / rms over all K (NORM_K), whatever this program's slice: unrolled, every load in flight
         squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)     # at once before the product's loop can start
@@ -88,6 +82,8 @@ def _dense_gemv_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, partial_ptr, ar
             squares += xs * xs
         rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
     acc = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
+    k_begin = tl.program_id(1) * k_split
+    k_end = tl.minimum(k_begin + k_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = (k < K) | EVEN_K
@@ -114,7 +110,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, norm_ptr, res_ptr, out_ptr, partial_ptr, ar
 
 def dense_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
                         gated: bool = False, residual: torch.Tensor | None = None,
-                        config: kq.GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
+                        config: kq.GemvConfig | None = None) -> torch.Tensor:
     """:func:`dense_linear` in one launch. x: [L, K] ([L, 2K] gated), unit column stride, any row stride, L in
     1..DENSE_ROWS; weight [N, K] in x's dtype; norm [K] fp32; residual [L, N] in x's dtype. Returns [L, N]."""
     op = "dense_linear_triton"
@@ -149,5 +145,5 @@ def dense_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tenso
         IEEE=x.dtype == torch.float32 or INTERPRETED, ASM=not INTERPRETED, EVEN_K=k % config.block_k == 0,
         NORM_K=k if norm is not None else 0, ROWS=triton.next_power_of_2(rows) if formed else kq.DENSE_ROWS,
         BLOCK_L=kq.DENSE_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        LINE=min(128 // weight.element_size(), config.block_k), num_stages=config.num_stages, **pdl_launch(pdl))
+        num_stages=config.num_stages)
     return out

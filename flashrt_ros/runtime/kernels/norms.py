@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ._layout import num_warps_for, require, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import await_inputs, jit, pdl_launch, tl, triton
+from ._triton import jit, tl, triton
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,9 +42,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 @jit
 def _rms_norm_kernel(x_ptr, x_row, res_ptr, res_row, scale_ptr, out_ptr, sum_ptr, D, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
     """One row per program: optionally summed = residual + x (rounded, stored), then out = rms_norm(summed)."""
-    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -67,26 +66,24 @@ def _check_rms_inputs(op: str, x: torch.Tensor, scale: torch.Tensor) -> None:
     require(scale.shape[0] == x.shape[1], op, f"scale has {scale.shape[0]} features, x has {x.shape[1]}")
 
 
-def _launch_rms_norm(x, residual, scale, eps, out, summed, pdl) -> None:
+def _launch_rms_norm(x, residual, scale, eps, out, summed) -> None:
     block = triton.next_power_of_2(x.shape[1])
     res = x if residual is None else residual
     _rms_norm_kernel[(x.shape[0],)](x, x.stride(0), res, res.stride(0), scale, out, out if summed is None else summed,
                                     x.shape[1], eps, HAS_RESIDUAL=residual is not None, BLOCK_D=block,
-                                    num_warps=num_warps_for(block), **pdl_launch(pdl))
+                                    num_warps=num_warps_for(block))
 
 
-def rms_norm_triton(x: torch.Tensor, scale: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
-    """:func:`rms_norm` in one launch. x: [L, D], unit column stride, any row stride. Returns [L, D] contiguous.
-    ``pdl`` (every ``*_triton`` launch takes it): launched with programmatic dependent launch
-    (:func:`._triton.await_inputs`)."""
+def rms_norm_triton(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` in one launch. x: [L, D], unit column stride, any row stride. Returns [L, D] contiguous."""
     _check_rms_inputs("rms_norm_triton", x, scale)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch_rms_norm(x, None, scale, eps, out, None, pdl)
+    _launch_rms_norm(x, None, scale, eps, out, None)
     return out
 
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor,
-                        eps: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`add_rms_norm` in one launch writing both outputs ([L, D] contiguous each)."""
     op = "add_rms_norm_triton"
     _check_rms_inputs(op, x, scale)
@@ -95,15 +92,14 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Te
     require(residual.shape == x.shape, op, f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(out)
-    _launch_rms_norm(x, residual, scale, eps, out, summed, pdl)
+    _launch_rms_norm(x, residual, scale, eps, out, summed)
     return out, summed
 
 
 @jit
 def _gated_rms_norm_kernel(x_ptr, x_row, x_head, g_ptr, g_row, g_head, w_ptr, out_ptr, H, D, eps,
-                           BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_D: tl.constexpr):
     """One (row, head) per program, in the reference's rounding order."""
-    await_inputs(PDL)
     pid = tl.program_id(0).to(tl.int64)
     row, head = pid // H, pid % H
     cols = tl.arange(0, BLOCK_D)
@@ -117,8 +113,7 @@ def _gated_rms_norm_kernel(x_ptr, x_row, x_head, g_ptr, g_row, g_head, w_ptr, ou
     tl.store(out_ptr + pid * D + cols, round_like(weighted * silu, out_ptr).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                          pdl: bool = False) -> torch.Tensor:
+def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`gated_rms_norm` in one launch. x, gate: [L, H, D] with unit last stride (any row and head strides, e.g.
     ``gate`` a column slice of a fused projection); weight: [D] in x's dtype. Returns [L, H, D] contiguous."""
     op = "gated_rms_norm_triton"
@@ -134,5 +129,5 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     block = triton.next_power_of_2(dim)
     _gated_rms_norm_kernel[(length * heads,)](x, x.stride(0), x.stride(1), gate, gate.stride(0), gate.stride(1),
                                               weight, out, heads, dim, eps, BLOCK_D=block,
-                                              num_warps=num_warps_for(block), **pdl_launch(pdl))
+                                              num_warps=num_warps_for(block))
     return out

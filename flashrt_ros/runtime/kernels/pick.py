@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._layout import require, require_launchable, require_rows
-from ._triton import await_inputs, jit, pdl_launch, tl, triton
+from ._triton import jit, tl, triton
 
 _BLOCK = 4096   # logits per program of the first pass (a 248k vocabulary: 61 programs a row)
 
@@ -31,10 +31,9 @@ def greedy_pick(logits: torch.Tensor, words: torch.Tensor, lookup: tuple[torch.T
 
 @jit
 def _block_argmax_kernel(logits_ptr, logits_row, words_ptr, words_row, best_ptr, index_ptr, vocab, blocks,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK: tl.constexpr):
     """Program (row, block): the largest allowed logit of the block and its first index. A NaN logit counts as
     +inf (torch.argmax takes a NaN as the maximum); a masked one as -inf, whatever it was."""
-    await_inputs(PDL)
     row, block = tl.program_id(0), tl.program_id(1)
     ids = block * BLOCK + tl.arange(0, BLOCK)
     inside = ids < vocab
@@ -50,9 +49,8 @@ def _block_argmax_kernel(logits_ptr, logits_row, words_ptr, words_row, best_ptr,
 
 
 @jit
-def _row_argmax_kernel(best_ptr, index_ptr, out_ptr, blocks, vocab, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+def _row_argmax_kernel(best_ptr, index_ptr, out_ptr, blocks, vocab, BLOCKS: tl.constexpr):
     """Program row: the first block holding the row's maximum gives its index (blocks are in vocabulary order)."""
-    await_inputs(PDL)
     row = tl.program_id(0)
     slots = tl.arange(0, BLOCKS)
     inside = slots < blocks
@@ -63,7 +61,7 @@ def _row_argmax_kernel(best_ptr, index_ptr, out_ptr, blocks, vocab, BLOCKS: tl.c
 
 
 def greedy_pick_triton(logits: torch.Tensor, words: torch.Tensor,
-                       lookup: tuple[torch.Tensor, torch.Tensor], pdl: bool = False) -> torch.Tensor:
+                       lookup: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """:func:`greedy_pick` in two launches for all rows: per (row, block of the vocabulary) the best allowed logit
     and its first index, then per row the first block with the row's maximum. ``lookup`` is not read: the kernel
     derives each token's word and bit from its id by the same rule. Rows whose every token is masked pick 0, as
@@ -80,7 +78,6 @@ def greedy_pick_triton(logits: torch.Tensor, words: torch.Tensor,
     index = torch.empty(rows, blocks, dtype=torch.int32, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     _block_argmax_kernel[(rows, blocks)](logits, logits.stride(0), words, words.stride(0), best, index, vocab, blocks,
-                                         BLOCK=_BLOCK, num_warps=8, **pdl_launch(pdl))
-    _row_argmax_kernel[(rows,)](best, index, out, blocks, vocab, BLOCKS=triton.next_power_of_2(blocks), num_warps=4,
-                                **pdl_launch(pdl))
+                                         BLOCK=_BLOCK, num_warps=8)
+    _row_argmax_kernel[(rows,)](best, index, out, blocks, vocab, BLOCKS=triton.next_power_of_2(blocks), num_warps=4)
     return out

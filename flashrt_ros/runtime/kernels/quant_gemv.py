@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from . import quant_gemv_configs
 from ._rounding import round_like
-from ._triton import INTERPRETED, await_inputs, jit, pdl_launch, prefetch_rows_l2, tl, triton
+from ._triton import INTERPRETED, jit, tl, triton
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitudes of codes 0-7; bit 3 is the sign
 NVFP4_GROUP = 16
@@ -346,8 +346,7 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrival
                        stride_s, k_split, SPLIT: tl.constexpr, X_BF16: tl.constexpr, EVEN_K: tl.constexpr,
                        NVFP4: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUPED: tl.constexpr,
                        IEEE: tl.constexpr, ASM: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_L: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q_LINE: tl.constexpr, K_PER_Q: tl.constexpr,
-                       PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_L, BLOCK_N] output tile over one K slice: out[l, n], or with SPLIT its slice's partial, summed
     by :func:`_sum_slices_when_last`. Program axes: row block of W, split-K index, block of x's rows (each block
     re-reads its weights).
@@ -358,8 +357,7 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrival
     scale groups: fp8 when its group divides BLOCK_K), each group's x * value products are summed and scaled once
     into a [BLOCK_N, BLOCK_K / GROUP] accumulator, otherwise accumulated elementwise into [BLOCK_N, BLOCK_K]; either
     is summed once after the loop. Several rows: x's rows are padded to BLOCK_L >= 16, the tile is dequantised
-    (nvfp4's nibbles interleaved back into k order) and goes through tl.dot. With PDL the program's codes (K_PER_Q
-    values an element of ``q_ptr``, Q_LINE elements a 128-byte line) are prefetched into L2 before its wait."""
+    (nvfp4's nibbles interleaved back into k order) and goes through tl.dot."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     row_ok = rows < N
@@ -371,10 +369,6 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, r_ptr, out_ptr, partial_ptr, arrival
         acc = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
     k_begin = tl.program_id(1) * k_split
     k_end = tl.minimum(k_begin + k_split, K)
-    if PDL:
-        prefetch_rows_l2(q_ptr, wide_rows, row_ok, stride_q, k_begin // K_PER_Q, k_end // K_PER_Q,
-                         BLOCK_K // K_PER_Q, Q_LINE)
-    await_inputs(PDL)
     if EVEN_K:
         k_end = tl.multiple_of(k_end, BLOCK_K)
     if ONE_ROW and NVFP4:   # the first tile's words are in flight while x's range is found
@@ -490,9 +484,8 @@ ARRIVAL_COUNTERS = 1 << 16         # output tiles a split-K launch may have (the
 @functools.cache
 def _arrival_tensor(device: torch.device) -> torch.Tensor:
     """The split-K arrival counters of this device, all zero between launches (the last program resets its own).
-    Launches on one stream never overlap in their counters (a launch under PDL touches them only after its wait), so
-    they can share them; made on first use, which is a warm-up run and never a CUDA-graph capture (GraphRunner runs
-    every step once before recording it)."""
+    Launches on one stream never overlap, so they can share them; made on first use, which is a warm-up run and
+    never a CUDA-graph capture (GraphRunner runs every step once before recording it)."""
     return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
 
 
@@ -509,7 +502,7 @@ def _splits(device: torch.device, programs: int, k_blocks: int, splits: int) -> 
 
 
 def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor | None,
-            n: int, k: int, group: int, config: GemvConfig | None, pdl: bool) -> torch.Tensor:
+            n: int, k: int, group: int, config: GemvConfig | None) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("Triton is not available")
     rows = x.shape[0]
@@ -538,28 +531,25 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: to
             x = x.view(torch.int32)                                   # bf16 pairs (see _x_lanes)
     else:
         q = q.view(torch.uint8)
-    k_per_q = (2 if nvfp4 else 1) * q.element_size()          # values an element of q holds
     _quant_gemv_kernel[(n_blocks, splits, l_blocks)](
         x, q, scale, row_scale if nvfp4 else scale, out, partial, arrivals, rows, n, k, x.stride(0), q.stride(0),
         scale.stride(0), k_split, SPLIT=splits > 1, X_BF16=x_bf16, EVEN_K=k % block_k == 0, NVFP4=nvfp4,
         GROUP=group, PER_CHANNEL=kind == "fp8", GROUPED=kind != "fp8" and block_k % group == 0,
         IEEE=dtype == torch.float32 or INTERPRETED, ASM=not INTERPRETED, ONE_ROW=rows == 1, BLOCK_L=block_l,
-        BLOCK_N=config.block_n, BLOCK_K=block_k, Q_LINE=min(128 // q.element_size(), block_k // k_per_q),
-        K_PER_Q=k_per_q, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_launch(pdl))
+        BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
 def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                      config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
+                      config: GemvConfig | None = None) -> torch.Tensor:
     n, k = q.shape
-    return _launch(x, q, scale, None, n, k, k // scale.shape[1], config, pdl)
+    return _launch(x, q, scale, None, n, k, k // scale.shape[1], config)
 
 
 def nvfp4_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
-                        config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
+                        config: GemvConfig | None = None) -> torch.Tensor:
     n, k = q.shape[0], 2 * q.shape[1]
-    return _launch(x, q, scale, row_scale, n, k, NVFP4_GROUP, config, pdl)
+    return _launch(x, q, scale, row_scale, n, k, NVFP4_GROUP, config)
 
 
 @jit

@@ -7,7 +7,7 @@ import torch
 from ._layout import (num_warps_for, require, require_count, require_launchable, require_model_dtype,
                       require_rows)
 from ._rounding import round_like
-from ._triton import await_inputs, jit, pdl_launch, tl, triton
+from ._triton import jit, tl, triton
 from .norms import rms_norm
 
 
@@ -85,9 +85,8 @@ def _norm_rope_store(src_ptr, scale_ptr, dst_ptr, store_mask, cos, sin, d, partn
 def _qk_norm_rope_kv_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, q_scale_ptr,
                             k_scale_ptr, cos_ptr, cos_row, sin_ptr, sin_row, kv_ptr, kv_pos, kv_kind, kv_head,
                             pos_ptr, pos_stride, count_ptr, out_ptr, L, H, D, R, eps, HAS_COUNT: tl.constexpr,
-                            BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_D: tl.constexpr):
     """Program (i, h): query head h of row i when h < H, else KV head h - H of row i (norm + rope + KV write)."""
-    await_inputs(PDL)
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -117,7 +116,7 @@ def _qk_norm_rope_kv_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v
 def qk_norm_rope_kv_write_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
                                  k_scale: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                                  kv_cache: torch.Tensor, positions: torch.Tensor,
-                                 count: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                                 count: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`qk_norm_rope_kv_write` in one launch. Every tensor needs unit stride in its last dimension; other
     strides are free (q, k, v may be views of one fused projection; kv_cache a layer slice of the arena)."""
     op = "qk_norm_rope_kv_write_triton"
@@ -151,6 +150,5 @@ def qk_norm_rope_kv_write_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), q_scale, k_scale,
         cos, cos.stride(0), sin, sin.stride(0), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         positions, positions.stride(0), positions if count is None else count, out, length, heads, dim, rot, eps,
-        HAS_COUNT=count is not None, BLOCK_D=block, num_warps=num_warps_for(block),
-        **pdl_launch(pdl))
+        HAS_COUNT=count is not None, BLOCK_D=block, num_warps=num_warps_for(block))
     return out
