@@ -72,6 +72,19 @@ def _gemv(kernels: KernelSet, rows: int):
     return kernels.dense_linear if kernels.dense_linear is not None and rows <= GEMV_ROWS else None
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)``, except that on the CPU each of a few rows (2..GEMV_ROWS) is its own one-row product
+    (a batched GEMM of M = 1 each). A row's bytes must not depend on its place among the rows: a speculative verify
+    commits any of its rows as the state a plain step would have written. MKL computes the rows left over from its
+    row panels with other instructions (on an AVX2 EPYC, row 4 of a 5-row product rounds unlike rows 0-3; 4 or 8
+    rows round alike). cuBLAS computes every row of a few-row GEMM alike (the GPU speculation tests)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if x.device.type != "cpu" or not 1 < rows.shape[0] <= GEMV_ROWS:
+        return F.linear(x, weight)
+    per_row = torch.bmm(rows[:, None, :], weight.t().expand(rows.shape[0], *weight.t().shape))
+    return per_row.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def project(module: nn.Module, x, kernels: KernelSet, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``[residual +] module(x)`` for ``x`` a tensor, a :class:`Normed` or a :class:`Gated` input [L, ...]. A dense
     projection of few rows runs as the kernel set's dense GEMV with the input's norm or gate and the residual add
@@ -85,7 +98,7 @@ def project(module: nn.Module, x, kernels: KernelSet, residual: torch.Tensor | N
         tensor = kernels.rms_norm(x.x, x.scale, x.eps)
     elif isinstance(x, Gated):
         tensor = kernels.silu_mul(x.gate_up)
-    y = module(tensor)
+    y = linear(tensor, module.weight) if isinstance(module, nn.Linear) and module.bias is None else module(tensor)
     return y if residual is None else residual + y
 
 
@@ -342,7 +355,7 @@ class Qwen35(nn.Module):
         gemv = _gemv(self.kernels, flat.shape[0])
         if gemv is not None:
             return gemv(flat, weight).reshape(*hidden.shape[:-1], -1).float()
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def rope_rows(self, positions: torch.Tensor, rope_positions: torch.Tensor | None = None):
         """cos, sin [L, R] of tokens at KV rows ``positions`` [L]: text tokens rotate at their row plus the arena's

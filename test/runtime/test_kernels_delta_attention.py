@@ -528,3 +528,19 @@ def test_the_attention_sweep_checks_every_configuration_against_the_default_and_
     with pytest.raises(LayoutError, match="a tile needs"):
         attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], torch.tensor([3], device=DEVICE), gate,
                                           launch=attention.AttentionLaunch(8, 32, 256, 4))
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ["tiny", "0.8b"])
+def test_a_query_rows_attention_does_not_depend_on_its_place_among_the_rows(layout):
+    """A speculative verify commits any of its rows as the state a decode step would have written, so row r of an
+    L-row call must have the bytes of the same query placed first. Under the interpreter tl.dot is numpy's BLAS,
+    which rounds a row by its place in the tile; the kernel's products sum over K in order there instead."""
+    length = 5
+    q, gate, cache = attention_inputs(length, 64, ATTENTION_LAYOUTS[layout], torch.float32, seed=11)
+    positions = torch.arange(40, 40 + length, device=DEVICE)
+    full = attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions, gate)
+    for row in range(length):
+        order = [row] + [r for r in range(length) if r != row]
+        moved = attention.attention_decode_triton(q[order], cache[:, 0], cache[:, 1], positions[order], gate[order])
+        assert torch.equal(moved[0], full[row]), row

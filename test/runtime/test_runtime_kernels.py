@@ -246,3 +246,19 @@ def test_checksum_is_order_sensitive():
     assert checksum(swapped_words.view(torch.uint8)) != original
     assert checksum(data.flip(0)) != original
     assert checksum(data.roll(4)) != original
+
+
+@pytest.mark.parametrize("rows", [2, 5, 8])
+def test_a_few_row_projection_on_the_cpu_rounds_each_row_as_if_it_sat_first(rows):
+    """model.linear: a speculative verify's rows (up to GEMV_ROWS) each get the bytes of the same row placed first
+    (MKL's GEMM rounds a row by its place: row 4 of 5 on an AVX2 EPYC); one row and longer pieces are F.linear."""
+    from flashrt_ros.runtime.model import GEMV_ROWS, linear
+    x, weight = torch.randn(rows, 64, generator=gen(rows)), torch.randn(320, 64, generator=gen(100 + rows))
+    full = linear(x, weight)
+    for row in range(rows):
+        order = [row] + [r for r in range(rows) if r != row]
+        assert torch.equal(linear(x[order], weight)[0], full[row]), row
+    assert torch.allclose(full, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    long = torch.randn(GEMV_ROWS + 1, 64, generator=gen(7))
+    assert torch.equal(linear(long, weight), F.linear(long, weight)) and torch.equal(linear(x[:1], weight),
+                                                                                      F.linear(x[:1], weight))

@@ -81,12 +81,21 @@ def attention_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     return out[0].transpose(0, 1)
 
 
+# Under Triton's interpreter tl.dot is numpy's matmul, whose BLAS rounds a row by its place in the tile (OpenBLAS
+# on an AVX2 EPYC: row r of a [16, K] product differs from the same row placed first), so a speculative verify's
+# row would not equal a decode step's; a broadcast product summed over K in order rounds every row alike.
+ROW_ORDERED_DOT = tl.constexpr(INTERPRETED) if tl is not None else INTERPRETED
+
+
 @jit
 def _dot(a, b, FP32: tl.constexpr):
     """a @ b accumulated in fp32; with FP32 the operands are taken in fp32 at full precision (Triton's default for
     fp32 is TF32). FP32 is set for fp32 inputs, and under Triton's interpreter, whose tl.dot multiplies bf16
-    operands as their raw uint16 bits (triton 3.9.0). (One return: see quant_gemv._accumulate.)"""
-    if FP32:
+    operands as their raw uint16 bits (triton 3.9.0); there the product is summed over K in order instead
+    (ROW_ORDERED_DOT). (One return: see quant_gemv._accumulate.)"""
+    if ROW_ORDERED_DOT:
+        out = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    elif FP32:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         out = tl.dot(a, b)
