@@ -520,7 +520,7 @@ def test_the_attention_sweep_checks_every_configuration_against_the_default_and_
     dim = ATTENTION_LAYOUTS["tiny"][2]
     assert len(rows) == len(sweep.sweep_configs(5, groups, dim)) and sum(r["default"] for r in rows) == 1
     tiles = {length: {c.block_m for c in sweep.sweep_configs(length, groups, dim)} for length in (1, 5, 9, 40, 80)}
-    assert tiles == {1: {16}, 5: {16}, 9: {16, 32}, 40: {16, 32, 64, 128}, 80: {16, 32, 64, 128}}   # none past the piece
+    assert tiles == {1: {16}, 5: {16}, 9: {16, 32}, 40: {16, 32, 64, 128}, 80: {16, 32, 64, 128}}  # none past a piece
     wide = {(c.block_m, c.num_warps) for c in sweep.sweep_configs(24, 4, 256)}      # the 0.8B's piece
     assert (128, 8) in wide and (128, 16) in wide and (128, 4) not in wide and (64, 4) in wide
     assert all(r["correct"] and r["us"] > 0 for r in rows), [r for r in rows if not r["correct"]]
