@@ -81,7 +81,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if x.device.type != "cpu" or not 1 < rows.shape[0] <= GEMV_ROWS:
         return F.linear(x, weight)
-    per_row = torch.bmm(rows[:, None, :], weight.t().expand(rows.shape[0], *weight.t().shape))
+    per_row = torch.bmm(rows[:, None, :], weight.t().expand(rows.shape[0], -1, -1))
     return per_row.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -13,7 +13,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ._layout import require, require_launchable, require_model_dtype, require_rows
 from ._rounding import round_like
-from ._triton import INTERPRETED, jit, tl, triton
+from ._triton import INTERPRETED, ROW_ORDERED_DOT, jit, row_ordered_dot, tl, triton
 
 
 def attention_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -81,12 +81,6 @@ def attention_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     return out[0].transpose(0, 1)
 
 
-# Under Triton's interpreter tl.dot is numpy's matmul, whose BLAS rounds a row by its place in the tile (OpenBLAS
-# on an AVX2 EPYC: row r of a [16, K] product differs from the same row placed first), so a speculative verify's
-# row would not equal a decode step's; a broadcast product summed over K in order rounds every row alike.
-ROW_ORDERED_DOT = tl.constexpr(INTERPRETED) if tl is not None else INTERPRETED
-
-
 @jit
 def _dot(a, b, FP32: tl.constexpr):
     """a @ b accumulated in fp32; with FP32 the operands are taken in fp32 at full precision (Triton's default for
@@ -94,7 +88,7 @@ def _dot(a, b, FP32: tl.constexpr):
     operands as their raw uint16 bits (triton 3.9.0); there the product is summed over K in order instead
     (ROW_ORDERED_DOT). (One return: see quant_gemv._accumulate.)"""
     if ROW_ORDERED_DOT:
-        out = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        out = row_ordered_dot(a, b)
     elif FP32:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:

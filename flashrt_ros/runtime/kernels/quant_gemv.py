@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from . import quant_gemv_configs
 from ._rounding import round_like
-from ._triton import INTERPRETED, jit, tl, triton
+from ._triton import INTERPRETED, ROW_ORDERED_DOT, jit, row_ordered_dot, tl, triton
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitudes of codes 0-7; bit 3 is the sign
 NVFP4_GROUP = 16
@@ -222,11 +222,14 @@ def _widen(scale, BLOCK_N: tl.constexpr, COLS: tl.constexpr, GROUP_COLS: tl.cons
 @jit
 def _dot(acc, x, w, IEEE: tl.constexpr):
     """acc += x @ w.T on w rounded to x's dtype; fp32 inputs multiply in full precision, never TF32. Triton's
-    interpreter multiplies bf16 operands of tl.dot as raw bit patterns, so there (IEEE is set) both go through fp32.
+    interpreter multiplies bf16 operands of tl.dot as raw bit patterns, so there (IEEE is set) both go through fp32,
+    summed over K in order (``_triton.row_ordered_dot``).
 
     One return after an if/else on the constexpr: Triton <= 3.6 still type-checks the statements after a ``return``
     inside a constexpr ``if`` (as dead code), which fails where the dead branch does not type-check."""
-    if IEEE:
+    if ROW_ORDERED_DOT:
+        acc = acc + row_ordered_dot(x, tl.trans(w.to(x.dtype)))
+    elif IEEE:
         acc = acc + tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
     else:
         acc = acc + tl.dot(x, tl.trans(w.to(x.dtype)))
