@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# delta-sweep | attention-sweep (ATTENTION_PRESETS) |
+# delta-sweep | attention-sweep (ATTENTION_PRESETS, ATTENTION_LENGTHS, ATTENTION_SWEEP_S) |
 # capsules | load | gemv | vision | constraint | spec | spec-27b (DENSE_GEMV: cublas or triton for the last three; spec takes
 # SPEC_MODEL, SPEC_VOCABS, spec-27b SPEC_ACCEPTANCE); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
 # PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, PROFILE_DENSE_GEMV, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips)
@@ -54,7 +54,8 @@ for phase in "$@"; do
       ;;
     attention-sweep)  # the decode attention's launch configurations, at decode and capsule-suffix lengths at 16k
       for preset in ${ATTENTION_PRESETS:-qwen3.5-0.8b}; do
-        timeout 240 python3 bench/time_attention.py $preset 1,24 --context 16384 --sweep \
+        timeout ${ATTENTION_SWEEP_S:-240} python3 bench/time_attention.py $preset ${ATTENTION_LENGTHS:-1,24} \
+            --context 16384 --sweep \
             --out "$OUT/attention_sweep_$preset.json" > "$OUT/attention_sweep_$preset.log" 2>&1
         echo "attention sweep $preset rc=$?"; grep -v -i warn "$OUT/attention_sweep_$preset.log"
       done

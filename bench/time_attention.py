@@ -22,7 +22,8 @@ import torch  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import attention  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
-from flashrt_ros.tools.timing import fastest_line, sweep_arguments, sweep_launches, weight_copies  # noqa: E402
+from flashrt_ros.tools.timing import (fastest_line, sweep_arguments, sweep_launches, sweep_row_line,  # noqa: E402
+                                      weight_copies)
 
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
 
@@ -31,9 +32,10 @@ TILE_ELEMENTS_PER_WARP = 4096        # fewer warps would hold more than 128 fp32
 
 
 def sweep_configs(length: int, groups: int, dim: int) -> list[attention.AttentionLaunch]:
-    """Tiles that hold one row's heads and no more rows than the piece has, with warps enough for the tile."""
+    """Tiles that hold one row's heads and no more rows than the piece has, with warps enough for the tile; the
+    largest tiles first (they read the keys the fewest times), so a sweep cut short by its time limit has timed them."""
     most = max(16, 1 << (length * groups - 1).bit_length())
-    return [attention.AttentionLaunch(*c) for c in itertools.product((16, 32, 64, 128), (32, 64),
+    return [attention.AttentionLaunch(*c) for c in itertools.product((128, 64, 32, 16), (32, 64),
                                                                        (128, 256, 512, 1024), (4, 8, 16))
             if groups <= c[0] <= most and c[0] * dim <= TILE_ELEMENTS_PER_WARP * c[3]]
 
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             return attention.attention_decode_triton(q, cache[:, 0], cache[:, 1], positions, gate, launch=launch)
         found = sweep_launches(
             device, default, sweep_configs(length, groups, dim) if args.sweep else [], lambda c: attend(cache, c),
-            lambda c: [lambda k=k: attend(k, c) for k, in caches], args.repeats, TOLERANCE)
+            lambda c: [lambda k=k: attend(k, c) for k, in caches], args.repeats, TOLERANCE,
+            lambda row: print(sweep_row_line(row), flush=True))
         us = found[0]["us"]
         print(f"{args.preset} attention {length:3d} rows at {args.context}: {us:8.2f} us a launch "
               f"({tuple(default)})", flush=True)

@@ -121,13 +121,14 @@ def sweep_arguments(doc: str, argv: list[str] | None,
 
 def sweep_launches(device: torch.device, default: tuple, candidates: Sequence[tuple],
                    output: Callable[[tuple], torch.Tensor], calls: Callable[[tuple], Sequence[Callable[[], object]]],
-                   repeats: int, tolerance: float) -> list[dict]:
+                   repeats: int, tolerance: float, report: Callable[[dict], object] = lambda row: None) -> list[dict]:
     """A kernel's launch configurations: ``default`` and then every other of ``candidates``, each one's
     ``output(launch)`` checked against the default's (largest difference <= ``tolerance`` x the largest magnitude:
     another summation order, not another result) and the correct ones timed as ``calls(launch)`` (one per copy of
     the data the kernel reads from memory, :func:`weight_copies`) with :func:`time_calls_us`. One row each: config,
     default, us (None when wrong or failed), correct, and error: why a candidate could not run (a tile that needs
-    more shared memory than the GPU has, say), None where it ran."""
+    more shared memory than the GPU has, say), None where it ran. Each row goes to ``report`` as it is made (a sweep
+    cut short by its time limit still shows what it timed: :func:`sweep_row_line`)."""
     want = output(default).float()
     rows = []
     for launch in [default] + [c for c in candidates if c != default]:
@@ -139,7 +140,15 @@ def sweep_launches(device: torch.device, default: tuple, candidates: Sequence[tu
         us = time_calls_us(device, calls(launch), repeats) if correct else None
         rows.append({"config": list(launch), "default": launch == default, "us": us, "correct": correct,
                      "error": error})
+        report(rows[-1])
     return rows
+
+
+def sweep_row_line(row: dict) -> str:
+    """One of :func:`sweep_launches`'s rows as a progress line."""
+    result = (f"{row['us']:.2f} us" if row["us"] is not None
+              else f"could not run ({row['error']})" if row.get("error") else "wrong")
+    return f"    {tuple(row['config'])}{' (default)' if row['default'] else ''}: {result}"
 
 
 def fastest_line(rows: Sequence[dict], shown: int = 5) -> str:

@@ -47,10 +47,11 @@ def test_a_sweep_checks_each_candidate_reports_the_wrong_and_the_unrunnable_and_
         if launch == (3,):
             raise RuntimeError("out of resource: shared memory, required: 262144\nmore detail")
         return torch.ones(4) * (2.0 if launch == (2,) else 1.0)
-    timed = []
+    timed, reported = [], []
     rows = timing.sweep_launches(torch.device("cpu"), (1,), [(2,), (3,), (1,), (4,)], output,
-                                 lambda launch: [lambda: timed.append(launch)], 1, 1e-3)
+                                 lambda launch: [lambda: timed.append(launch)], 1, 1e-3, reported.append)
     assert [tuple(r["config"]) for r in rows] == [(1,), (2,), (3,), (4,)]       # the default once, first
+    assert reported == rows                                                     # each row reported as it is made
     by_config = {tuple(r["config"]): r for r in rows}
     assert by_config[(2,)]["correct"] is False and by_config[(2,)]["error"] is None and by_config[(2,)]["us"] is None
     assert by_config[(3,)]["error"] == "RuntimeError: out of resource: shared memory, required: 262144"
@@ -58,3 +59,7 @@ def test_a_sweep_checks_each_candidate_reports_the_wrong_and_the_unrunnable_and_
     assert set(timed) == {(1,), (4,)}
     line = timing.fastest_line(rows)
     assert "fastest of 2" in line and "wrong: [(2,)]" in line and "could not run: [(3,)]" in line
+    progress = [timing.sweep_row_line(r) for r in rows]
+    assert progress[0].startswith("    (1,) (default): ") and progress[0].endswith(" us")
+    assert progress[1:3] == ["    (2,): wrong",
+                             "    (3,): could not run (RuntimeError: out of resource: shared memory, required: 262144)"]
