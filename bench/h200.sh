@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# delta-sweep | attention-sweep (ATTENTION_PRESETS, ATTENTION_LENGTHS, ATTENTION_SWEEP_S) |
+# delta-sweep (DELTA_PRESETS, DELTA_LENGTHS, DELTA_SWEEP_S) | attention-sweep (ATTENTION_PRESETS, ATTENTION_LENGTHS,
+# ATTENTION_SWEEP_S) |
 # capsules | load | gemv | vision | constraint | spec | spec-27b (DENSE_GEMV: cublas or triton for the last three; spec takes
 # SPEC_MODEL, SPEC_VOCABS, spec-27b SPEC_ACCEPTANCE); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
 # PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, PROFILE_DENSE_GEMV, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips)
@@ -46,9 +47,10 @@ for phase in "$@"; do
       done
       ;;
     delta-sweep)  # the delta rule's launch configurations, at decode and capsule-suffix lengths
-      for preset in qwen3.5-0.8b qwen3.6-27b; do
-        timeout 240 python3 bench/time_delta_rule.py $preset 1,24 --sweep --out "$OUT/delta_rule_sweep_$preset.json" \
-            > "$OUT/delta_rule_sweep_$preset.log" 2>&1; echo "delta sweep $preset rc=$?"
+      for preset in ${DELTA_PRESETS:-qwen3.5-0.8b qwen3.6-27b}; do
+        timeout ${DELTA_SWEEP_S:-240} python3 bench/time_delta_rule.py $preset ${DELTA_LENGTHS:-1,24} --sweep \
+            --out "$OUT/delta_rule_sweep_$preset.json" > "$OUT/delta_rule_sweep_$preset.log" 2>&1
+        echo "delta sweep $preset rc=$?"
         grep -v -i warn "$OUT/delta_rule_sweep_$preset.log"
       done
       ;;

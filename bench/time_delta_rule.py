@@ -5,7 +5,7 @@ suffix piece's (24 rows), for a preset's DeltaNet shape:
 
 (default qwen3.5-0.8b 1,24), one line per length with the kernels' own launch configuration
 (``delta_rule.launch_config``: a piece's, or decode's for one row), the state read from device memory as in a step
-(copies of it past the L2). ``--sweep`` also times every value block (4..64 columns), warp count (1..8) and
+(copies of it past the L2). ``--sweep`` also times every value block (1..64 columns), warp count (1..8) and
 reduction (one joint or two in turn), each checked against the default configuration's output, and prints the
 fastest per length. A/B two versions of the kernel in one sitting by running it before and after swapping the
 module."""
@@ -30,7 +30,7 @@ TOLERANCE = 2e-2                     # bf16 outputs of another summation order, 
 
 def sweep_configs(dv: int) -> list[delta_rule.DeltaRuleConfig]:
     return [delta_rule.DeltaRuleConfig(block, warps, joint)
-            for block, warps, joint in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8), (True, False))
+            for block, warps, joint in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8), (True, False))
             if block <= max(4, 1 << (dv - 1).bit_length())]
 
 
