@@ -7,6 +7,7 @@ set) so parallel runs do not see each other, and OMP_NUM_THREADS=1. The tiny mod
 intra-op threads, while every engine (the test process's and each node subprocess's) spinning a
 thread per core on a 2-core CI machine makes decode steps orders of magnitude slower.
 """
+import importlib.util
 import os
 import random
 import sys
@@ -46,7 +47,7 @@ def _interpreter_patches_the_language_once_per_launch():
     interpreter._patch_lang = patch_unless_patched
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):  # (make test-jazzy has none)
     _interpreter_patches_the_language_once_per_launch()
 
 import threading  # noqa: E402
