@@ -2,7 +2,7 @@
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
 # delta-sweep (DELTA_PRESETS, DELTA_LENGTHS, DELTA_SWEEP_S) | attention-sweep (ATTENTION_PRESETS, ATTENTION_LENGTHS,
-# ATTENTION_SWEEP_S) |
+# ATTENTION_SWEEP_S; ATTENTION_SWEEP=0: the own launch alone) | check (CHECK_FILES, CHECK_S: its GPU tests) |
 # capsules | load | gemv | vision | constraint | spec | spec-27b (DENSE_GEMV: cublas or triton for the last three; spec takes
 # SPEC_MODEL, SPEC_VOCABS, spec-27b SPEC_ACCEPTANCE); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
 # PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, PROFILE_DENSE_GEMV, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips)
@@ -37,8 +37,9 @@ for phase in "$@"; do
   echo "===== $phase"
   case "$phase" in
     check)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore test/runtime/test_runtime_gpu.py \
-          test/runtime/test_kernels_*.py > "$OUT/check_pytest.log" 2>&1; echo "pytest rc=$?"
+      timeout ${CHECK_S:-420} python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore \
+          ${CHECK_FILES:-test/runtime/test_runtime_gpu.py test/runtime/test_kernels_*.py} > "$OUT/check_pytest.log" 2>&1
+      echo "pytest rc=$?"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/check_pytest.log" | tail -25
       for kernels in triton reference; do
         python3 -m flashrt_ros.tools verify --model qwen3.5-0.8b --device cuda --dtype bfloat16 --kernels $kernels \
@@ -57,7 +58,7 @@ for phase in "$@"; do
     attention-sweep)  # the decode attention's launch configurations, at decode and capsule-suffix lengths at 16k
       for preset in ${ATTENTION_PRESETS:-qwen3.5-0.8b}; do
         timeout ${ATTENTION_SWEEP_S:-240} python3 bench/time_attention.py $preset ${ATTENTION_LENGTHS:-1,24} \
-            --context 16384 --sweep \
+            --context 16384 $([ "${ATTENTION_SWEEP:-1}" = 1 ] && echo --sweep) \
             --out "$OUT/attention_sweep_$preset.json" > "$OUT/attention_sweep_$preset.log" 2>&1
         echo "attention sweep $preset rc=$?"; grep -v -i warn "$OUT/attention_sweep_$preset.log"
       done

@@ -28,16 +28,13 @@ from flashrt_ros.tools.timing import (fastest_line, sweep_arguments, sweep_launc
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
 
 
-TILE_ELEMENTS_PER_WARP = 4096        # fewer warps would hold more than 128 fp32 accumulators a thread: spills
-
-
 def sweep_configs(length: int, groups: int, dim: int) -> list[attention.AttentionLaunch]:
     """Tiles that hold one row's heads and no more rows than the piece has, with warps enough for the tile; the
     largest tiles first (they read the keys the fewest times), so a sweep cut short by its time limit has timed them."""
     most = max(16, 1 << (length * groups - 1).bit_length())
     return [attention.AttentionLaunch(*c) for c in itertools.product((128, 64, 32, 16), (32, 64),
                                                                        (128, 256, 512, 1024), (4, 8, 16))
-            if groups <= c[0] <= most and c[0] * dim <= TILE_ELEMENTS_PER_WARP * c[3]]
+            if groups <= c[0] <= most and c[0] * dim <= attention.TILE_ELEMENTS_PER_WARP * c[3]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -173,7 +173,9 @@ def _attention_combine_kernel(acc_ptr, max_ptr, sum_ptr, pos_ptr, gate_ptr, gate
     tl.store(out_ptr + (row * heads + head) * dim + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-TARGET_PROGRAMS = 256  # split programs a launch aims at when the bucket is long (an H200 has 132 SMs)
+TARGET_PROGRAMS = 256  # split programs a one-row launch aims at when the bucket is long (an H200 has 132 SMs)
+PIECE_TARGET_PROGRAMS = 512  # and a launch of several rows (see launch_config)
+TILE_ELEMENTS_PER_WARP = 4096  # fewer warps would hold more than 128 fp32 accumulators a thread: spills
 COMBINE_CHUNK = 32     # splits the combine loads at once
 COMBINE_DIMS = 64      # head dims per combine program: a one-token step has only heads programs otherwise (8 on
                        # the 0.8B), each loading every split's whole partial ([32, 64] fp32: 16 registers a thread)
@@ -189,15 +191,18 @@ class AttentionLaunch(NamedTuple):
 
 
 def launch_config(length: int, groups: int, dim: int) -> AttentionLaunch:
-    """One query row's GROUPS heads in a tile of >= 16 rows (tl.dot's least); several rows packed into up to 32
-    (head dim > 128) or 64 rows; 64 keys a block (32 past head dim 128); 8 warps from 8192 tile elements (no spills
-    on sm_90). ``bench/time_attention.py --sweep`` times the alternatives on a GPU."""
+    """One query row's GROUPS heads in a tile of >= 16 rows (tl.dot's least), aiming at TARGET_PROGRAMS split
+    programs; several rows packed into up to 64 rows, aiming at PIECE_TARGET_PROGRAMS; 64 keys a block (32 past head
+    dim 128); the fewest warps that hold the tile (at least 4, :data:`TILE_ELEMENTS_PER_WARP`). On an H100
+    (h100_91cdd6e/attention_sweep_qwen3.5-0.8b.json, 24 rows at 16k) this took the 0.8B's capsule-suffix piece from
+    58.1 us (32-row tiles, 8 warps, 256 programs) to 32.1, the fastest of 88 launches; 4 warps beat 8 on every tile
+    up to 64 x 256. ``bench/time_attention.py --sweep`` times the alternatives on a GPU."""
     block_d = triton.next_power_of_2(dim)
-    block_m = max(16, triton.next_power_of_2(groups))
+    block_m, target = max(16, triton.next_power_of_2(groups)), TARGET_PROGRAMS
     if length * groups > block_m:
-        block_m = min(32 if block_d > 128 else 64, triton.next_power_of_2(length * groups))
-    return AttentionLaunch(block_m, 64 if block_d <= 128 else 32, TARGET_PROGRAMS,
-                           8 if block_m * block_d >= 8192 else 4)
+        block_m, target = min(64, triton.next_power_of_2(length * groups)), PIECE_TARGET_PROGRAMS
+    return AttentionLaunch(block_m, 64 if block_d <= 128 else 32, target,
+                           max(4, block_m * block_d // TILE_ELEMENTS_PER_WARP))
 
 
 def _decode_plan(length: int, kv_heads: int, groups: int, span: int, dim: int, launch: AttentionLaunch) -> dict:
