@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
-# Usage: bash bench/h200.sh PHASE...   (PHASE: check | bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
+# Usage: bash bench/h200.sh PHASE...   (PHASE: bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
 # delta-sweep (DELTA_PRESETS, DELTA_LENGTHS, DELTA_SWEEP_S) | attention-sweep (ATTENTION_PRESETS, ATTENTION_LENGTHS,
 # ATTENTION_SWEEP_S; ATTENTION_SWEEP=0: the own launch alone) | check (CHECK_FILES, CHECK_S: its GPU tests) |
 # capsules | load | gemv | vision | constraint | spec | spec-27b (DENSE_GEMV: cublas or triton for the last three; spec takes

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import attention  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
-from flashrt_ros.tools.timing import (fastest_line, sweep_arguments, sweep_launches, sweep_row_line,  # noqa: E402
+from flashrt_ros.tools.timing import (fastest_line, print_sweep_row, sweep_arguments, sweep_launches,  # noqa: E402
                                       weight_copies)
 
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         found = sweep_launches(
             device, default, sweep_configs(length, groups, dim) if args.sweep else [], lambda c: attend(cache, c),
             lambda c: [lambda k=k: attend(k, c) for k, in caches], args.repeats, TOLERANCE,
-            lambda row: print(sweep_row_line(row), flush=True))
+            print_sweep_row)
         us = found[0]["us"]
         print(f"{args.preset} attention {length:3d} rows at {args.context}: {us:8.2f} us a launch "
               f"({tuple(default)})", flush=True)

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import delta_rule  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
-from flashrt_ros.tools.timing import (fastest_line, sweep_arguments, sweep_launches, sweep_row_line,  # noqa: E402
+from flashrt_ros.tools.timing import (fastest_line, print_sweep_row, sweep_arguments, sweep_launches,  # noqa: E402
                                       weight_copies)
 
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             device, default, sweep_configs(dv) if args.sweep else [],
             lambda c: delta_rule.gated_delta_rule_triton(*inputs, state.clone(), config=c),
             lambda c: [lambda s=s: delta_rule.gated_delta_rule_triton(*inputs, s, config=c) for s, in scratch],
-            args.repeats, TOLERANCE, lambda row: print(sweep_row_line(row), flush=True))
+            args.repeats, TOLERANCE, print_sweep_row)
         us = found[0]["us"]
         print(f"{args.preset} delta rule {length:3d} rows: {us:8.2f} us a launch, {us / length:6.3f} us a row "
               f"({tuple(default)})", flush=True)

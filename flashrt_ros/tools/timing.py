@@ -151,6 +151,11 @@ def sweep_row_line(row: dict) -> str:
     return f"    {tuple(row['config'])}{' (default)' if row['default'] else ''}: {result}"
 
 
+def print_sweep_row(row: dict) -> None:
+    """:func:`sweep_launches`'s ``report`` for a sweep script: each row's progress line, printed as it is made."""
+    print(sweep_row_line(row), flush=True)
+
+
 def fastest_line(rows: Sequence[dict], shown: int = 5) -> str:
     """The fastest of :func:`sweep_launches`'s rows, the wrong ones and the ones that could not run."""
     timed = sorted((r for r in rows if r["us"] is not None), key=lambda r: r["us"])
