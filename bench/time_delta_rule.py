@@ -5,10 +5,12 @@ suffix piece's (24 rows), for a preset's DeltaNet shape:
 
 (default qwen3.5-0.8b 1,24), one line per length with the kernels' own launch configuration
 (``delta_rule.launch_config``: a piece's, or decode's for one row), the state read from device memory as in a step
-(copies of it past the L2). ``--sweep`` also times every value block (1..64 columns), warp count (1..8) and
-reduction (one joint or two in turn), each checked against the default configuration's output, and prints the
-fastest per length. A/B two versions of the kernel in one sitting by running it before and after swapping the
-module."""
+(copies of it past the L2), and the own launch again on the inputs laid out as a step passes them
+(:func:`as_in_a_step`: views of the projections, a device count). ``--sweep`` also times every value block (1..64 columns), warp count (1..8) and
+reduction (one joint or two in turn) and, for a piece, the factors ahead of the serial loop or in it, each checked
+against the default configuration's output (nearest the default first: a sweep cut short has timed those), and
+prints the fastest per length. A/B two versions of the kernel in one sitting by running it before and after
+swapping the module."""
 from __future__ import annotations
 
 import itertools
@@ -23,15 +25,35 @@ from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import delta_rule  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
 from flashrt_ros.tools.timing import (fastest_line, print_sweep_row, sweep_arguments, sweep_launches,  # noqa: E402
-                                      weight_copies)
+                                      time_calls_us, weight_copies)
 
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
 
 
-def sweep_configs(dv: int) -> list[delta_rule.DeltaRuleConfig]:
-    return [delta_rule.DeltaRuleConfig(block, warps, joint)
-            for block, warps, joint in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8), (True, False))
+def sweep_configs(dv: int, length: int) -> list[delta_rule.DeltaRuleConfig]:
+    """Every value block, warp count and reduction; a piece's also with its factors ahead of the loop and in it."""
+    return [delta_rule.DeltaRuleConfig(block, warps, joint, ahead)
+            for block, warps, joint, ahead in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8), (True, False),
+                                                                (False, True) if length > 1 else (False,))
             if block <= max(4, 1 << (dv - 1).bit_length())]
+
+
+def nearest_first(default: delta_rule.DeltaRuleConfig,
+                  configs: list[delta_rule.DeltaRuleConfig]) -> list[delta_rule.DeltaRuleConfig]:
+    """The configurations ordered by how many of their fields differ from the default's."""
+    return sorted(configs, key=lambda c: sum(a != b for a, b in zip(c, default)))
+
+
+def as_in_a_step(q, k, v, a, b, *rest):
+    """The same values as a step passes them: q, k, v views of one conv output, a and b the last columns of one
+    projection output (after the z gate's), and the real-row count as a device tensor."""
+    mixed = torch.cat([x.flatten(1) for x in (q, k, v)], dim=1)
+    projected = torch.cat([mixed, torch.zeros_like(v.flatten(1)), b, a], dim=1)
+    q, k, v = (part.unflatten(-1, x.shape[1:]) for part, x in zip(mixed.split([q[0].numel(), k[0].numel(),
+                                                                                v[0].numel()], 1), (q, k, v)))
+    heads = a.shape[1]
+    return (q, k, v, projected[:, -heads:], projected[:, -2 * heads:-heads], *rest,
+            torch.tensor(q.shape[0], device=q.device))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator(device=device).manual_seed(0)
     hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
-    rows = []
+    rows, in_a_step = [], []
     for length in map(int, args.lengths.split(",")):
         default = delta_rule.launch_config(hv, dk, dv, piece=length > 1)
         def rand(*shape):
@@ -49,8 +71,17 @@ def main(argv: list[str] | None = None) -> int:
                   rand(length, hv), torch.zeros(hv, device=device), torch.ones(hv, device=device))
         state = torch.zeros(hv, dk, dv, device=device)
         scratch = weight_copies(device, (state.clone(),))  # the timed calls update them, each from device memory
+        *stepped, count = as_in_a_step(*inputs)          # timed first, so a sweep cut short still reports it
+        if not torch.equal(delta_rule.gated_delta_rule_triton(*stepped, state.clone(), count),
+                           delta_rule.gated_delta_rule_triton(*inputs, state.clone())):
+            raise SystemExit("the inputs laid out as in a step gave other bytes")
+        step_us = time_calls_us(device, [lambda s=s: delta_rule.gated_delta_rule_triton(*stepped, s, count)
+                                         for s, in scratch], args.repeats)
+        in_a_step.append({"length": length, "config": list(default), "us": step_us})
+        print(f"{args.preset} delta rule {length:3d} rows laid out as in a step: {step_us:8.2f} us a launch "
+              f"({tuple(default)})", flush=True)
         found = sweep_launches(
-            device, default, sweep_configs(dv) if args.sweep else [],
+            device, default, nearest_first(default, sweep_configs(dv, length)) if args.sweep else [],
             lambda c: delta_rule.gated_delta_rule_triton(*inputs, state.clone(), config=c),
             lambda c: [lambda s=s: delta_rule.gated_delta_rule_triton(*inputs, s, config=c) for s, in scratch],
             args.repeats, TOLERANCE, print_sweep_row)
@@ -61,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             print(fastest_line(found))
         rows += [{"length": length, **row} for row in found]
     if args.out:
-        provenance.write_result(args.out, {"preset": args.preset, "rows": rows}, device.type)
+        provenance.write_result(args.out, {"preset": args.preset, "rows": rows, "in_a_step": in_a_step}, device.type)
     return 0
 
 

@@ -125,15 +125,17 @@ def test_gated_delta_rule_triton_matches_reference_and_float64(layout, length, d
     assert errors["ref_state"] <= REFERENCE_STATE_TOLERANCE, errors
 
 
-SWEPT_CONFIGS = [delta_rule.DeltaRuleConfig(*c) for c in ((16, 4, True), (16, 4, False), (8, 1, True), (4, 2, False))]
+SWEPT_CONFIGS = [delta_rule.DeltaRuleConfig(*c) for c in ((16, 4, True), (16, 4, False), (8, 1, True), (4, 2, False),
+                                                          (4, 1, False, True), (16, 4, True, True))]
 
 
 @needs_triton
-@pytest.mark.parametrize("config", SWEPT_CONFIGS, ids=lambda c: f"v{c.block_v}-w{c.num_warps}-joint{int(c.joint)}")
+@pytest.mark.parametrize("config", SWEPT_CONFIGS,
+                         ids=lambda c: f"v{c.block_v}-w{c.num_warps}-joint{int(c.joint)}-ahead{int(c.ahead)}")
 def test_gated_delta_rule_triton_matches_float64_under_any_launch_config(config):
-    """A launch configuration (value columns per program, warps, one joint reduction or two in turn) changes only
-    the summation order: each one matches float64 over a multi-row piece (what bench/time_delta_rule.py --sweep
-    times)."""
+    """A launch configuration (value columns per program, warps, one joint reduction or two in turn, the rows'
+    factors ahead of the loop or in it) changes only the summation order: each one matches float64 over a multi-row
+    piece (what bench/time_delta_rule.py --sweep times)."""
     inputs, arena = gdn_inputs(9, GDN_LAYOUTS["tiny"], torch.float32, seed=seed_of("config", *config))
     want, want_state = gdn_float64(*inputs, arena.state)
     out = delta_rule.gated_delta_rule_triton(*inputs, arena.state, config=config)
@@ -144,9 +146,9 @@ def test_gated_delta_rule_triton_matches_float64_under_any_launch_config(config)
 @pytest.mark.parametrize("layout, want", [("0.8b", (16, 4, True)), ("27b", (32, 8, False)), ("tiny", (16, 4, True))])
 def test_the_launch_rule_gives_small_blocks_the_joint_reduction_and_large_ones_two(layout, want):
     _, v_heads, dk, dv = GDN_LAYOUTS[layout]
-    assert tuple(delta_rule.launch_config(v_heads, dk, dv, interpreted=False)) == want
-    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=False)) == (4, 1, False)
-    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=True)) == (want[0], 1, False)
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv, interpreted=False)) == (*want, False)
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=False)) == (4, 1, False, True)
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=True)) == (want[0], 1, False, True)
 
 
 @needs_triton
@@ -155,8 +157,9 @@ def test_under_the_interpreter_a_pieces_bytes_do_not_depend_on_its_block():
     """Why the interpreter may launch a piece with the decode block: the narrow GPU block gives the same bytes."""
     inputs, arena = gdn_inputs(9, GDN_LAYOUTS["tiny"], torch.bfloat16, seed=seed_of("interpreted block"))
     state = arena.state.clone()
-    narrow = delta_rule.gated_delta_rule_triton(*inputs, state, config=delta_rule.DeltaRuleConfig(4, 1, False))
-    wide = delta_rule.gated_delta_rule_triton(*inputs, arena.state, config=delta_rule.DeltaRuleConfig(16, 1, False))
+    narrow = delta_rule.gated_delta_rule_triton(*inputs, state, config=delta_rule.DeltaRuleConfig(4, 1, False, True))
+    wide = delta_rule.gated_delta_rule_triton(*inputs, arena.state,
+                                              config=delta_rule.DeltaRuleConfig(16, 1, False, True))
     assert_same_bytes("output, 16 columns against 4", wide, narrow)
     assert_same_bytes("state, 16 columns against 4", arena.state, state)
 
@@ -500,7 +503,9 @@ def test_the_launch_sweep_checks_every_configuration_against_the_default_and_tim
     out = tmp_path / "sweep.json"
     assert sweep.main(["tiny", "2", "--sweep", "--repeats", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == len(sweep.sweep_configs(16)) and sum(r["default"] for r in rows) == 1
+    assert len(rows) == len(sweep.sweep_configs(16, 2)) and sum(r["default"] for r in rows) == 1
+    in_a_step, = json.loads(out.read_text())["in_a_step"]             # the same bytes, checked by the script
+    assert in_a_step["config"] == rows[0]["config"] and in_a_step["us"] > 0
     assert all(r["correct"] and r["us"] > 0 for r in rows), [r for r in rows if not r["correct"]]
 
 

@@ -153,27 +153,72 @@ def _log1p(y):
 
 
 @jit
+def _factors(qt, kt, at, bt, neg_a, dt_bias, b_ptr, scale, eps, AXIS: tl.constexpr):
+    """What a row needs besides the state, from its fp32 q, k, a and b (or a tile's rows: q and k summed along
+    AXIS): the decay exp(-exp(A_log) softplus(a + dt_bias)), beta = sigmoid(b) rounded to b's dtype (the
+    reference's), and the l2-norm scales of q (times dk^-1/2) and of k."""
+    x = at + dt_bias
+    softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))  # torch's threshold
+    return (tl.exp(neg_a * softplus), round_like(tl.sigmoid(bt), b_ptr),
+            tl.rsqrt(tl.sum(qt * qt, axis=AXIS) + eps) * scale, tl.rsqrt(tl.sum(kt * kt, axis=AXIS) + eps))
+
+
+@jit
+def _factors_ahead(q_ptr, q_row, q_head, k_ptr, k_row, k_head, a_ptr, a_row, a_head, b_ptr, b_row, b_head, f_ptr,
+                   f_stride, real, head, key_head, keys, key_mask, neg_a, dt_bias, scale, eps, ROWS: tl.constexpr):
+    """:func:`_factors` of every real row, ROWS rows a tile, stored as decay, beta, q scale and k scale at
+    ``f_ptr + i * f_stride + row`` (i = 0..3). The tile's shape is fixed, so a row's sums take the same order
+    whatever the piece's length."""
+    tile = tl.arange(0, ROWS)
+    for first in range(0, real, ROWS):
+        rows = first + tile
+        real_rows = rows < real
+        mask = real_rows[:, None] & key_mask[None, :]
+        qt = tl.load(q_ptr + rows[:, None] * q_row + key_head * q_head + keys[None, :], mask=mask, other=0.0)
+        kt = tl.load(k_ptr + rows[:, None] * k_row + key_head * k_head + keys[None, :], mask=mask, other=0.0)
+        at = tl.load(a_ptr + rows * a_row + head * a_head, mask=real_rows, other=0.0).to(tl.float32)
+        bt = tl.load(b_ptr + rows * b_row + head * b_head, mask=real_rows, other=0.0).to(tl.float32)
+        decay, beta, q_scale, k_scale = _factors(qt.to(tl.float32), kt.to(tl.float32), at, bt, neg_a, dt_bias,
+                                                 b_ptr, scale, eps, 1)
+        tl.store(f_ptr + rows, decay, mask=real_rows)
+        tl.store(f_ptr + f_stride + rows, beta, mask=real_rows)
+        tl.store(f_ptr + 2 * f_stride + rows, q_scale, mask=real_rows)
+        tl.store(f_ptr + 3 * f_stride + rows, k_scale, mask=real_rows)
+
+
+@jit
 def _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head,
-                b_ptr, b_row, b_head, t, head, key_head, keys, cols, key_mask, col_mask):
-    """Row t's q, k [dk], v [BLOCK_V], a and b, in fp32."""
+                b_ptr, b_row, b_head, f_ptr, f_stride, t, head, key_head, keys, cols, key_mask, col_mask,
+                AHEAD: tl.constexpr):
+    """Row t's q, k [dk], v [BLOCK_V] and four scalars, in fp32: with AHEAD its stored factors (decay, beta, q
+    scale, k scale), else a, b, a, b."""
     qt = tl.load(q_ptr + t * q_row + key_head * q_head + keys, mask=key_mask, other=0.0).to(tl.float32)
     kt = tl.load(k_ptr + t * k_row + key_head * k_head + keys, mask=key_mask, other=0.0).to(tl.float32)
     vt = tl.load(v_ptr + t * v_row + head * v_head + cols, mask=col_mask, other=0.0).to(tl.float32)
-    at = tl.load(a_ptr + t * a_row + head * a_head).to(tl.float32)
-    bt = tl.load(b_ptr + t * b_row + head * b_head).to(tl.float32)
-    return qt, kt, vt, at, bt
+    if AHEAD:
+        x0 = tl.load(f_ptr + t)
+        x1 = tl.load(f_ptr + f_stride + t)
+        x2 = tl.load(f_ptr + 2 * f_stride + t)
+        x3 = tl.load(f_ptr + 3 * f_stride + t)
+    else:
+        x0 = tl.load(a_ptr + t * a_row + head * a_head).to(tl.float32)
+        x1 = tl.load(b_ptr + t * b_row + head * b_head).to(tl.float32)
+        x2, x3 = x0, x1
+    return qt, kt, vt, x0, x1, x2, x3
 
 
 @jit
 def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head,
                              a_ptr, a_row, a_head, b_ptr, b_row, b_head, a_log_ptr, dt_bias_ptr,
-                             s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, rows_ptr, rows_row, length, dk, dv,
-                             scale, eps, GROUPS: tl.constexpr, HAS_COUNT: tl.constexpr, STORE_ROWS: tl.constexpr,
-                             JOINT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                             s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, rows_ptr, rows_row, ahead_ptr,
+                             ahead_rows, length, dk, dv, scale, eps, GROUPS: tl.constexpr, HAS_COUNT: tl.constexpr,
+                             STORE_ROWS: tl.constexpr, JOINT: tl.constexpr, AHEAD: tl.constexpr,
+                             AHEAD_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per (value head, block of BLOCK_V value columns): the [dk, BLOCK_V] fp32 state block stays in
     registers over all real rows (read once, written once); padding rows only get zero outputs. With STORE_ROWS the
     state after row t goes to ``rows_ptr + t * rows_row`` (laid out as the state) instead, and the state is only
-    read."""
+    read. With AHEAD the rows' factors (gates and norms: nothing that waits on the state) are computed for all rows
+    before the serial loop, into the program's [4, ahead_rows] slice of ``ahead_ptr``, and the loop only loads them."""
     head = tl.program_id(0)
     key_head = head // GROUPS
     keys = tl.arange(0, BLOCK_K)
@@ -189,6 +234,11 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
     real = length
     if HAS_COUNT:
         real = tl.minimum(tl.load(count_ptr).to(tl.int32), length)
+    f_ptr = ahead_ptr + (head * tl.num_programs(1) + tl.program_id(1)) * 4 * ahead_rows
+    if AHEAD:
+        _factors_ahead(q_ptr, q_row, q_head, k_ptr, k_row, k_head, a_ptr, a_row, a_head, b_ptr, b_row, b_head, f_ptr,
+                       ahead_rows, real, head, key_head, keys, key_mask, neg_a, dt_bias, scale, eps, AHEAD_ROWS)
+        tl.debug_barrier()                     # the loop's threads read factors that other threads stored
     # Row t + 1's inputs are loaded while row t computes (they do not depend on the state), so the serial chain per
     # row is the state's arithmetic alone. The l2-norms scale the reductions' results instead of q and k first: the
     # norms and the reductions over the state then run side by side. JOINT: both reductions read the state before
@@ -196,19 +246,18 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
     # wait at a barrier): with decay d, k' = k * k_scale and delta = (v - d k'.S) beta, the output q'.(d S + k' delta)
     # is d q'.S + (q'.k') delta. It doubles the product's registers, so only small state blocks take it (see
     # SMALL_STATE_BLOCK).
-    qn, kn, vn, an, bn = _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row,
-                                     a_head, b_ptr, b_row, b_head, 0, head, key_head, keys, cols, key_mask, col_mask)
+    qn, kn, vn, xn0, xn1, xn2, xn3 = _row_inputs(
+        q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head, b_ptr, b_row, b_head,
+        f_ptr, ahead_rows, 0, head, key_head, keys, cols, key_mask, col_mask, AHEAD)
     for t in range(0, real):
-        qt, kt, vt, at, bt = qn, kn, vn, an, bn
-        qn, kn, vn, an, bn = _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr,
-                                         a_row, a_head, b_ptr, b_row, b_head, (t + 1) % real, head, key_head, keys,
-                                         cols, key_mask, col_mask)      # past the last row: row 0 again, unused
-        x = at + dt_bias
-        softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))  # torch's threshold
-        beta = round_like(tl.sigmoid(bt), b_ptr)
-        q_scale = tl.rsqrt(tl.sum(qt * qt, axis=0) + eps) * scale
-        k_scale = tl.rsqrt(tl.sum(kt * kt, axis=0) + eps)
-        decay = tl.exp(neg_a * softplus)
+        qt, kt, vt, x0, x1, x2, x3 = qn, kn, vn, xn0, xn1, xn2, xn3
+        qn, kn, vn, xn0, xn1, xn2, xn3 = _row_inputs(     # past the last row: row 0 again, unused
+            q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head, b_ptr, b_row,
+            b_head, f_ptr, ahead_rows, (t + 1) % real, head, key_head, keys, cols, key_mask, col_mask, AHEAD)
+        if AHEAD:
+            decay, beta, q_scale, k_scale = x0, x1, x2, x3
+        else:
+            decay, beta, q_scale, k_scale = _factors(qt, kt, x0, x1, neg_a, dt_bias, b_ptr, scale, eps, 0)
         if JOINT:
             qs, ks = tl.split(tl.sum(tl.join(qt, kt)[:, None, :] * s[:, :, None], axis=0))
             delta = (vt - decay * ks * k_scale) * beta
@@ -236,14 +285,21 @@ SMALL_STATE_BLOCK = 2048
 
 
 class DeltaRuleConfig(NamedTuple):
-    """How the recurrent kernel is launched: value columns per program, warps, and whether a row's two reductions
-    over the state run as one (JOINT in the kernel)."""
+    """How the recurrent kernel is launched: value columns per program, warps, whether a row's two reductions
+    over the state run as one (JOINT in the kernel), and whether the rows' factors are computed before the serial
+    loop (AHEAD)."""
     block_v: int
     num_warps: int
     joint: bool
+    ahead: bool = False
 
 
-# A piece's launch: PIECE_BLOCK_V value columns and one warp a program, two reductions a row. A piece's rows are
+AHEAD_ROWS = 8      # rows of one tile of the factors computed ahead (_factors_ahead)
+
+
+# A piece's launch: PIECE_BLOCK_V value columns and one warp a program, two reductions a row, the factors ahead (the
+# serial loop, compiled for sm_90, goes from 393 to 277 instructions a row and loses its 7 MUFU; not yet timed on a
+# GPU: bench/time_delta_rule.py --sweep times both). A piece's rows are
 # serial, so the row's latency is what counts: within one warp a reduction needs no barrier, and narrow blocks give
 # the many programs that keep the SMs busy. On an H100 (h100_d9b7208/delta_rule_sweep_*.json, 24 rows) it took the
 # 0.8B's launch from 23.9 us (the decode launch, 16 columns, 4 warps, joint) to 16.6, the 27B's from 49.9 (32, 8
@@ -257,7 +313,8 @@ def launch_config(v_heads: int, dk: int, dv: int, piece: bool = False,
     """One row (decode, and each row of a verify's rows kernel): the value block is the widest of 64/32/16 that
     still gives >= 128 programs (an H200 has 132 SMs; parallelism comes only from heads x column blocks); small state
     blocks take 4 warps and the joint reduction, larger ones 8 warps and two reductions (SMALL_STATE_BLOCK). A piece
-    of several rows (``piece``): PIECE_BLOCK_V columns, one warp, two reductions; under Triton's interpreter, which
+    of several rows (``piece``): PIECE_BLOCK_V columns, one warp, two reductions, the factors computed ahead of the
+    serial loop (AHEAD in the kernel: nothing of them waits on the state); under Triton's interpreter, which
     runs the programs one after another in Python, the decode block instead (a quarter of the programs on the tiny
     model's 16 columns). The interpreter sums a column as numpy does, whatever the block and the warps, so its bytes
     are the same either way. ``bench/time_delta_rule.py --sweep`` times the alternatives on a GPU."""
@@ -267,7 +324,8 @@ def launch_config(v_heads: int, dk: int, dv: int, piece: bool = False,
             block_v = min(block, triton.next_power_of_2(dv))
             break
     if piece:
-        return DeltaRuleConfig(block_v if interpreted else min(PIECE_BLOCK_V, triton.next_power_of_2(dv)), 1, False)
+        return DeltaRuleConfig(block_v if interpreted else min(PIECE_BLOCK_V, triton.next_power_of_2(dv)), 1, False,
+                               ahead=True)
     small = triton.next_power_of_2(dk) * block_v <= SMALL_STATE_BLOCK
     return DeltaRuleConfig(block_v, 4 if small else 8, small)
 
@@ -325,11 +383,15 @@ def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, ro
     out = torch.empty(length, v_heads, dv, dtype=v.dtype, device=v.device)
     config = config or launch_config(v_heads, dk, dv, piece=length > 1 and rows is None)
     grid = (v_heads, triton.cdiv(dv, config.block_v))
+    ahead_rows = triton.cdiv(length, AHEAD_ROWS) * AHEAD_ROWS if config.ahead else 0
+    ahead = torch.empty(grid[0] * grid[1] * 4 * ahead_rows, dtype=torch.float32, device=v.device) if ahead_rows \
+        else state
     _gated_delta_rule_kernel[grid](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), A_log, dt_bias,
         state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count,
-        state if rows is None else rows, 0 if rows is None else rows.stride(0), length, dk, dv, dk ** -0.5, 1e-6,
-        GROUPS=v_heads // k_heads, HAS_COUNT=count is not None, STORE_ROWS=rows is not None,
-        JOINT=config.joint, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=config.block_v, num_warps=config.num_warps)
+        state if rows is None else rows, 0 if rows is None else rows.stride(0), ahead, ahead_rows, length, dk, dv,
+        dk ** -0.5, 1e-6, GROUPS=v_heads // k_heads, HAS_COUNT=count is not None, STORE_ROWS=rows is not None,
+        JOINT=config.joint, AHEAD=config.ahead, AHEAD_ROWS=AHEAD_ROWS, BLOCK_K=triton.next_power_of_2(dk),
+        BLOCK_V=config.block_v, num_warps=config.num_warps)
     return out
