@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
-# delta-sweep (DELTA_PRESETS, DELTA_LENGTHS, DELTA_SWEEP_S) | attention-sweep (ATTENTION_PRESETS, ATTENTION_LENGTHS,
-# ATTENTION_SWEEP_S; ATTENTION_SWEEP=0: the own launch alone) | check (CHECK_FILES, CHECK_S: its GPU tests) |
+# delta-sweep (DELTA_PRESETS, DELTA_LENGTHS, DELTA_SWEEP_S: its seconds, shared by the lengths) | attention-sweep
+# (ATTENTION_PRESETS, ATTENTION_LENGTHS, ATTENTION_SWEEP_S; ATTENTION_SWEEP=0: the own launch alone) | check (CHECK_FILES, CHECK_S: its GPU tests) |
 # capsules | load | gemv | vision | constraint | spec | spec-27b (DENSE_GEMV: cublas or triton for the last three; spec takes
 # SPEC_MODEL, SPEC_VOCABS, spec-27b SPEC_ACCEPTANCE); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
 # PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, PROFILE_DENSE_GEMV, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips)
@@ -28,6 +28,9 @@ spec_run() {  # seconds name label args...: bench-spec with args into $OUT/name.
   timeout "$seconds" python3 -m flashrt_ros.tools bench-spec "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "bench-spec $label rc=$?"; grep -v -i warn "$OUT/$name.log" | grep "^|"
 }
+length_budget() {  # seconds lengths: a sweep's seconds for each of its lengths, 30 of them kept for the rest
+  echo $(( ($1 - 30) / ($(tr -cd , <<< "$2" | wc -c) + 1) ))
+}
 bench() {  # preset contexts repeats
   timeout "${BENCH_TIMEOUT_S:-540}" python3 -m flashrt_ros.tools bench --model "$1" --device cuda --dtype bfloat16 --contexts "$2" --repeats "$3" \
       --decode-tokens 64 --compare-hf --profile --out "$OUT/bench_$1.json" > "$OUT/bench_$1.log" 2>&1
@@ -50,6 +53,7 @@ for phase in "$@"; do
     delta-sweep)  # the delta rule's launch configurations, at decode and capsule-suffix lengths
       for preset in ${DELTA_PRESETS:-qwen3.5-0.8b qwen3.6-27b}; do
         timeout ${DELTA_SWEEP_S:-240} python3 bench/time_delta_rule.py $preset ${DELTA_LENGTHS:-1,24} --sweep \
+            --budget-s $(length_budget ${DELTA_SWEEP_S:-240} ${DELTA_LENGTHS:-1,24}) \
             --out "$OUT/delta_rule_sweep_$preset.json" > "$OUT/delta_rule_sweep_$preset.log" 2>&1
         echo "delta sweep $preset rc=$?"
         grep -v -i warn "$OUT/delta_rule_sweep_$preset.log"
@@ -59,6 +63,7 @@ for phase in "$@"; do
       for preset in ${ATTENTION_PRESETS:-qwen3.5-0.8b}; do
         timeout ${ATTENTION_SWEEP_S:-240} python3 bench/time_attention.py $preset ${ATTENTION_LENGTHS:-1,24} \
             --context 16384 $([ "${ATTENTION_SWEEP:-1}" = 1 ] && echo --sweep) \
+            --budget-s $(length_budget ${ATTENTION_SWEEP_S:-240} ${ATTENTION_LENGTHS:-1,24}) \
             --out "$OUT/attention_sweep_$preset.json" > "$OUT/attention_sweep_$preset.log" 2>&1
         echo "attention sweep $preset rc=$?"; grep -v -i warn "$OUT/attention_sweep_$preset.log"
       done

@@ -2,7 +2,7 @@
 (1 row) and the capsule suffix piece's (24 rows), the rows' positions at the end of a long context, for a preset's
 attention shape:
 
-    python3 bench/time_attention.py [PRESET] [LENGTHS] [--context N] [--sweep] [--out FILE]
+    python3 bench/time_attention.py [PRESET] [LENGTHS] [--context N] [--sweep] [--budget-s S] [--out FILE]
 
 (default qwen3.5-0.8b 1,24 at 16384), one line per length with the kernel's own launch configuration
 (``attention.launch_config``), the keys and values read from device memory as in a step (copies of the cache past
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         found = sweep_launches(
             device, default, sweep_configs(length, groups, dim) if args.sweep else [], lambda c: attend(cache, c),
             lambda c: [lambda k=k: attend(k, c) for k, in caches], args.repeats, TOLERANCE,
-            print_sweep_row)
+            print_sweep_row, args.budget_s)
         us = found[0]["us"]
         print(f"{args.preset} attention {length:3d} rows at {args.context}: {us:8.2f} us a launch "
               f"({tuple(default)})", flush=True)

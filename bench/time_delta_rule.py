@@ -1,16 +1,17 @@
 """The recurrent gated delta rule's device time per launch, at the decode step's length (1 row) and the capsule
 suffix piece's (24 rows), for a preset's DeltaNet shape:
 
-    python3 bench/time_delta_rule.py [PRESET] [LENGTHS] [--sweep] [--out FILE]
+    python3 bench/time_delta_rule.py [PRESET] [LENGTHS] [--sweep] [--budget-s S] [--out FILE]
 
 (default qwen3.5-0.8b 1,24), one line per length with the kernels' own launch configuration
 (``delta_rule.launch_config``: a piece's, or decode's for one row), the state read from device memory as in a step
 (copies of it past the L2), and the own launch again on the inputs laid out as a step passes them
-(:func:`as_in_a_step`: views of the projections, a device count). ``--sweep`` also times every value block (1..64 columns), warp count (1..8) and
-reduction (one joint or two in turn) and, for a piece, the factors ahead of the serial loop or in it, each checked
-against the default configuration's output (nearest the default first: a sweep cut short has timed those), and
-prints the fastest per length. A/B two versions of the kernel in one sitting by running it before and after
-swapping the module."""
+(:func:`as_in_a_step`: views of the projections, a device count). ``--sweep`` also times every value block (1..64
+columns), warp count (1..8) and reduction (one joint or two in turn) and, for a piece, the factors ahead of the
+serial loop or in it and the keys spread or not (``delta_rule.DeltaRuleConfig``), each checked against the default
+configuration's output, nearest the default first (``--budget-s``: the seconds a length's sweep may take; those
+timed by then are reported), and prints the fastest per length. A/B two versions of the kernel in one sitting by
+running it before and after swapping the module."""
 from __future__ import annotations
 
 import itertools
@@ -31,10 +32,12 @@ TOLERANCE = 2e-2                     # bf16 outputs of another summation order, 
 
 
 def sweep_configs(dv: int, length: int) -> list[delta_rule.DeltaRuleConfig]:
-    """Every value block, warp count and reduction; a piece's also with its factors ahead of the loop and in it."""
-    return [delta_rule.DeltaRuleConfig(block, warps, joint, ahead)
-            for block, warps, joint, ahead in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8), (True, False),
-                                                                (False, True) if length > 1 else (False,))
+    """Every value block, warp count and reduction; a piece's also with its factors ahead of the loop or in it, and
+    its keys spread or not."""
+    piece = (False, True) if length > 1 else (False,)
+    return [delta_rule.DeltaRuleConfig(block, warps, joint, ahead, spread)
+            for block, warps, joint, ahead, spread in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8),
+                                                                        (True, False), piece, piece)
             if block <= max(4, 1 << (dv - 1).bit_length())]
 
 
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             device, default, nearest_first(default, sweep_configs(dv, length)) if args.sweep else [],
             lambda c: delta_rule.gated_delta_rule_triton(*inputs, state.clone(), config=c),
             lambda c: [lambda s=s: delta_rule.gated_delta_rule_triton(*inputs, s, config=c) for s, in scratch],
-            args.repeats, TOLERANCE, print_sweep_row)
+            args.repeats, TOLERANCE, print_sweep_row, args.budget_s)
         us = found[0]["us"]
         print(f"{args.preset} delta rule {length:3d} rows: {us:8.2f} us a launch, {us / length:6.3f} us a row "
               f"({tuple(default)})", flush=True)

@@ -113,6 +113,7 @@ def sweep_arguments(doc: str, argv: list[str] | None,
     extend(parser)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--budget-s", type=float, help="seconds a length's sweep may take (the default: no limit)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -121,17 +122,22 @@ def sweep_arguments(doc: str, argv: list[str] | None,
 
 def sweep_launches(device: torch.device, default: tuple, candidates: Sequence[tuple],
                    output: Callable[[tuple], torch.Tensor], calls: Callable[[tuple], Sequence[Callable[[], object]]],
-                   repeats: int, tolerance: float, report: Callable[[dict], object] = lambda row: None) -> list[dict]:
+                   repeats: int, tolerance: float, report: Callable[[dict], object] = lambda row: None,
+                   budget_s: float | None = None) -> list[dict]:
     """A kernel's launch configurations: ``default`` and then every other of ``candidates``, each one's
     ``output(launch)`` checked against the default's (largest difference <= ``tolerance`` x the largest magnitude:
     another summation order, not another result) and the correct ones timed as ``calls(launch)`` (one per copy of
     the data the kernel reads from memory, :func:`weight_copies`) with :func:`time_calls_us`. One row each: config,
     default, us (None when wrong or failed), correct, and error: why a candidate could not run (a tile that needs
     more shared memory than the GPU has, say), None where it ran. Each row goes to ``report`` as it is made (a sweep
-    cut short by its time limit still shows what it timed: :func:`sweep_row_line`)."""
+    cut short by its time limit still shows what it timed: :func:`sweep_row_line`). Past ``budget_s`` seconds no
+    further candidate is tried (the rows returned are those tried)."""
+    start = time.monotonic()
     want = output(default).float()
     rows = []
     for launch in [default] + [c for c in candidates if c != default]:
+        if rows and budget_s is not None and time.monotonic() - start > budget_s:
+            break
         try:
             got, error = want if launch == default else output(launch).float(), None
         except Exception as err:  # noqa: BLE001 - a candidate the compiler or the GPU refuses is reported, not fatal

@@ -1,4 +1,5 @@
 """Kernel timings read their weights from device memory (``timing.cold_copies``) and take every copy in turn."""
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -63,3 +64,16 @@ def test_a_sweep_checks_each_candidate_reports_the_wrong_and_the_unrunnable_and_
     assert progress[0].startswith("    (1,) (default): ") and progress[0].endswith(" us")
     assert progress[1:3] == ["    (2,): wrong",
                              "    (3,): could not run (RuntimeError: out of resource: shared memory, required: 262144)"]
+
+
+def test_a_sweep_past_its_budget_tries_no_further_candidate_but_always_the_default(monkeypatch):
+    """``budget_s``: a candidate is tried only while the sweep's seconds are within it; the default always is."""
+    clock = itertools.count(0, 10)                   # each reading 10 s after the one before
+    monkeypatch.setattr(timing.time, "monotonic", lambda: next(clock))
+    rows = timing.sweep_launches(torch.device("cpu"), (1,), [(2,), (3,), (4,)], lambda launch: torch.ones(2),
+                                 lambda launch: [lambda: None], 1, 1e-3, budget_s=15)
+    assert [tuple(r["config"]) for r in rows] == [(1,), (2,)]    # read at 10 s: (2,) tried; at 20 s: stop
+    clock = itertools.count(0, 10)
+    assert [tuple(r["config"]) for r in timing.sweep_launches(
+        torch.device("cpu"), (1,), [(2,)], lambda launch: torch.ones(2), lambda launch: [lambda: None], 1, 1e-3,
+        budget_s=0)] == [(1,)]
