@@ -101,9 +101,10 @@ def _gemv_fusions(results: list[dict]) -> str:
 
 def _launch_sweep(results: list[dict]) -> str:
     """bench/time_delta_rule.py's and bench/time_attention.py's sweeps, a row per file and length: the kernel's own
-    launch against the fastest correct one."""
-    lines = ["| kernel | preset | rows | own launch | us | fastest launch | us | own / fastest | wrong | commit |",
-             "|---|---|---:|---|---:|---|---:|---:|---:|---|"]
+    launch against the fastest correct one, and the own launch on inputs laid out as in a step where it was timed."""
+    lines = ["| kernel | preset | rows | own launch | us | as in a step, us | fastest launch | us | own / fastest | "
+             "wrong | commit |",
+             "|---|---|---:|---|---:|---:|---|---:|---:|---:|---|"]
     for r in results:
         kernel = "attention" if "time_attention" in r["provenance"]["command"] else "delta rule"
         commit = r["provenance"]["commit"][:7] + (" (dirty)" if r["provenance"].get("dirty") else "")
@@ -111,7 +112,9 @@ def _launch_sweep(results: list[dict]) -> str:
             rows = [row for row in r["rows"] if row["length"] == length]
             own = next(row for row in rows if row["default"])
             best = min((row for row in rows if row["us"] is not None), key=lambda row: row["us"])
+            in_a_step = next((f"{s['us']:.2f}" for s in r.get("in_a_step", ()) if s["length"] == length), "-")
             lines.append(f"| {kernel} | {r['preset']} | {length} | {tuple(own['config'])} | {own['us']:.2f} | "
+                         f"{in_a_step} | "
                          f"{tuple(best['config'])} | {best['us']:.2f} | {own['us'] / best['us']:.2f} | "
                          f"{sum(not row['correct'] for row in rows)} of {len(rows)} | `{commit}` |")
     return "\n".join(lines)

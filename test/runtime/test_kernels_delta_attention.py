@@ -127,7 +127,8 @@ def test_gated_delta_rule_triton_matches_reference_and_float64(layout, length, d
 
 SWEPT_CONFIGS = [delta_rule.DeltaRuleConfig(*c) for c in ((16, 4, True), (16, 4, False), (8, 1, True), (4, 2, False),
                                                           (4, 1, False, True), (16, 4, True, True),
-                                                          (4, 1, False, True, True), (8, 2, True, False, True))]
+                                                          (4, 1, False, True, True), (8, 2, True, False, True),
+                                                          (4, 1, True, True, True))]
 
 
 @needs_triton

@@ -166,9 +166,9 @@ def _factors(qt, kt, at, bt, neg_a, dt_bias, b_ptr, scale, eps, AXIS: tl.constex
 @jit
 def _factors_ahead(q_ptr, q_row, q_head, k_ptr, k_row, k_head, a_ptr, a_row, a_head, b_ptr, b_row, b_head, f_ptr,
                    f_stride, real, head, key_head, keys, key_mask, neg_a, dt_bias, scale, eps, ROWS: tl.constexpr):
-    """:func:`_factors` of every real row, ROWS rows a tile, stored as decay, beta, q scale and k scale at
-    ``f_ptr + i * f_stride + row`` (i = 0..3). The tile's shape is fixed, so a row's sums take the same order
-    whatever the piece's length."""
+    """:func:`_factors` of every real row and its q.k (unscaled), ROWS rows a tile, stored as decay, beta, q scale,
+    k scale and q.k at ``f_ptr + i * f_stride + row`` (i = 0..4). The tile's shape is fixed, so a row's sums take the
+    same order whatever the piece's length."""
     tile = tl.arange(0, ROWS)
     for first in range(0, real, ROWS):
         rows = first + tile
@@ -178,20 +178,21 @@ def _factors_ahead(q_ptr, q_row, q_head, k_ptr, k_row, k_head, a_ptr, a_row, a_h
         kt = tl.load(k_ptr + rows[:, None] * k_row + key_head * k_head + keys[None, :], mask=mask, other=0.0)
         at = tl.load(a_ptr + rows * a_row + head * a_head, mask=real_rows, other=0.0).to(tl.float32)
         bt = tl.load(b_ptr + rows * b_row + head * b_head, mask=real_rows, other=0.0).to(tl.float32)
-        decay, beta, q_scale, k_scale = _factors(qt.to(tl.float32), kt.to(tl.float32), at, bt, neg_a, dt_bias,
-                                                 b_ptr, scale, eps, 1)
+        qt, kt = qt.to(tl.float32), kt.to(tl.float32)
+        decay, beta, q_scale, k_scale = _factors(qt, kt, at, bt, neg_a, dt_bias, b_ptr, scale, eps, 1)
         tl.store(f_ptr + rows, decay, mask=real_rows)
         tl.store(f_ptr + f_stride + rows, beta, mask=real_rows)
         tl.store(f_ptr + 2 * f_stride + rows, q_scale, mask=real_rows)
         tl.store(f_ptr + 3 * f_stride + rows, k_scale, mask=real_rows)
+        tl.store(f_ptr + 4 * f_stride + rows, tl.sum(qt * kt, axis=1), mask=real_rows)
 
 
 @jit
 def _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head,
                 b_ptr, b_row, b_head, f_ptr, f_stride, t, head, key_head, keys, cols, key_mask, col_mask,
                 AHEAD: tl.constexpr):
-    """Row t's q, k [dk] (the keys at offsets ``keys``), v [BLOCK_V] and four scalars, in fp32: with AHEAD its
-    stored factors (decay, beta, q scale, k scale), else a, b, a, b."""
+    """Row t's q, k [dk] (the keys at offsets ``keys``), v [BLOCK_V] and five scalars, in fp32: with AHEAD its
+    stored factors (decay, beta, q scale, k scale, q.k), else a, b and a three times (unused)."""
     qt = tl.load(q_ptr + t * q_row + key_head * q_head + keys, mask=key_mask, other=0.0).to(tl.float32)
     kt = tl.load(k_ptr + t * k_row + key_head * k_head + keys, mask=key_mask, other=0.0).to(tl.float32)
     vt = tl.load(v_ptr + t * v_row + head * v_head + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -200,11 +201,12 @@ def _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head
         x1 = tl.load(f_ptr + f_stride + t)
         x2 = tl.load(f_ptr + 2 * f_stride + t)
         x3 = tl.load(f_ptr + 3 * f_stride + t)
+        x4 = tl.load(f_ptr + 4 * f_stride + t)
     else:
         x0 = tl.load(a_ptr + t * a_row + head * a_head).to(tl.float32)
         x1 = tl.load(b_ptr + t * b_row + head * b_head).to(tl.float32)
-        x2, x3 = x0, x1
-    return qt, kt, vt, x0, x1, x2, x3
+        x2, x3, x4 = x0, x0, x0
+    return qt, kt, vt, x0, x1, x2, x3, x4
 
 
 @jit(do_not_specialize=["key_step"])
@@ -213,13 +215,15 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
                              s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, rows_ptr, rows_row, ahead_ptr,
                              ahead_rows, key_step, length, dk, dv, scale, eps, GROUPS: tl.constexpr,
                              HAS_COUNT: tl.constexpr, STORE_ROWS: tl.constexpr, JOINT: tl.constexpr,
-                             AHEAD: tl.constexpr, AHEAD_ROWS: tl.constexpr, SPREAD_KEYS: tl.constexpr,
+                             AHEAD: tl.constexpr, AHEAD_ROWS: tl.constexpr, AHEAD_FACTORS: tl.constexpr,
+                             SPREAD_KEYS: tl.constexpr,
                              BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per (value head, block of BLOCK_V value columns): the [dk, BLOCK_V] fp32 state block stays in
     registers over all real rows (read once, written once); padding rows only get zero outputs. With STORE_ROWS the
     state after row t goes to ``rows_ptr + t * rows_row`` (laid out as the state) instead, and the state is only
     read. With AHEAD the rows' factors (gates and norms: nothing that waits on the state) are computed for all rows
-    before the serial loop, into the program's [4, ahead_rows] slice of ``ahead_ptr``, and the loop only loads them.
+    before the serial loop, into the program's [AHEAD_FACTORS, ahead_rows] slice of ``ahead_ptr``, and the loop only
+    loads them.
     With SPREAD_KEYS a row's q and k are loaded one key a lane, as the state's rows are spread over the lanes, so
     their products with the state need no exchange through shared memory: the key offsets are multiplied by
     ``key_step`` (always 1, kept a runtime value so that Triton cannot see the keys contiguous and load them in
@@ -239,7 +243,7 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
     real = length
     if HAS_COUNT:
         real = tl.minimum(tl.load(count_ptr).to(tl.int32), length)
-    f_ptr = ahead_ptr + (head * tl.num_programs(1) + tl.program_id(1)) * 4 * ahead_rows
+    f_ptr = ahead_ptr + (head * tl.num_programs(1) + tl.program_id(1)) * AHEAD_FACTORS * ahead_rows
     if AHEAD:
         _factors_ahead(q_ptr, q_row, q_head, k_ptr, k_row, k_head, a_ptr, a_row, a_head, b_ptr, b_row, b_head, f_ptr,
                        ahead_rows, real, head, key_head, keys, key_mask, neg_a, dt_bias, scale, eps, AHEAD_ROWS)
@@ -250,27 +254,33 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
     # the row's update, as one reduction over q and k side by side (one pass across the warps, where two would each
     # wait at a barrier): with decay d, k' = k * k_scale and delta = (v - d k'.S) beta, the output q'.(d S + k' delta)
     # is d q'.S + (q'.k') delta. It doubles the product's registers, so only small state blocks take it (see
-    # SMALL_STATE_BLOCK).
+    # SMALL_STATE_BLOCK). With AHEAD (a piece's launch: one warp, where no sum waits at a barrier) the two sums are
+    # separate and q.k is one of the factors: a row's serial chain is then one sum deep.
     row_keys = keys
     if SPREAD_KEYS:
         row_keys = keys * key_step
-    qn, kn, vn, xn0, xn1, xn2, xn3 = _row_inputs(
+    qn, kn, vn, xn0, xn1, xn2, xn3, xn4 = _row_inputs(
         q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head, b_ptr, b_row, b_head,
         f_ptr, ahead_rows, 0, head, key_head, row_keys, cols, key_mask, col_mask, AHEAD)
     for t in range(0, real):
-        qt, kt, vt, x0, x1, x2, x3 = qn, kn, vn, xn0, xn1, xn2, xn3
-        qn, kn, vn, xn0, xn1, xn2, xn3 = _row_inputs(     # past the last row: row 0 again, unused
+        qt, kt, vt, x0, x1, x2, x3, x4 = qn, kn, vn, xn0, xn1, xn2, xn3, xn4
+        qn, kn, vn, xn0, xn1, xn2, xn3, xn4 = _row_inputs(     # past the last row: row 0 again, unused
             q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head, b_ptr, b_row,
             b_head, f_ptr, ahead_rows, (t + 1) % real, head, key_head, row_keys, cols, key_mask, col_mask, AHEAD)
         if AHEAD:
-            decay, beta, q_scale, k_scale = x0, x1, x2, x3
+            decay, beta, q_scale, k_scale, qk = x0, x1, x2, x3, x4
         else:
             decay, beta, q_scale, k_scale = _factors(qt, kt, x0, x1, neg_a, dt_bias, b_ptr, scale, eps, 0)
+            qk = tl.sum(qt * kt, axis=0)
         if JOINT:
-            qs, ks = tl.split(tl.sum(tl.join(qt, kt)[:, None, :] * s[:, :, None], axis=0))
+            if AHEAD:       # a piece's one warp: two sums side by side need no barrier either
+                qs = tl.sum(qt[:, None] * s, axis=0)
+                ks = tl.sum(kt[:, None] * s, axis=0)
+            else:
+                qs, ks = tl.split(tl.sum(tl.join(qt, kt)[:, None, :] * s[:, :, None], axis=0))
             delta = (vt - decay * ks * k_scale) * beta
             s = s * decay + (kt * k_scale)[:, None] * delta[None, :]
-            out = (decay * qs + tl.sum(qt * kt, axis=0) * k_scale * delta) * q_scale
+            out = (decay * qs + qk * k_scale * delta) * q_scale
         else:
             s = s * decay
             delta = (vt - tl.sum(kt[:, None] * s, axis=0) * k_scale) * beta
@@ -304,6 +314,7 @@ class DeltaRuleConfig(NamedTuple):
 
 
 AHEAD_ROWS = 8      # rows of one tile of the factors computed ahead (_factors_ahead)
+AHEAD_FACTORS = 5   # of each row: decay, beta, q scale, k scale, q.k
 
 
 # A piece's launch: PIECE_BLOCK_V value columns and one warp a program, two reductions a row, the factors ahead and
@@ -395,14 +406,14 @@ def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, ro
     config = config or launch_config(v_heads, dk, dv, piece=length > 1 and rows is None)
     grid = (v_heads, triton.cdiv(dv, config.block_v))
     ahead_rows = triton.cdiv(length, AHEAD_ROWS) * AHEAD_ROWS if config.ahead else 0
-    ahead = torch.empty(grid[0] * grid[1] * 4 * ahead_rows, dtype=torch.float32, device=v.device) if ahead_rows \
-        else state
+    ahead = (torch.empty(grid[0] * grid[1] * AHEAD_FACTORS * ahead_rows, dtype=torch.float32, device=v.device)
+             if ahead_rows else state)
     _gated_delta_rule_kernel[grid](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), A_log, dt_bias,
         state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count,
         state if rows is None else rows, 0 if rows is None else rows.stride(0), ahead, ahead_rows, 1, length, dk,
         dv, dk ** -0.5, 1e-6, GROUPS=v_heads // k_heads, HAS_COUNT=count is not None, STORE_ROWS=rows is not None,
-        JOINT=config.joint, AHEAD=config.ahead, AHEAD_ROWS=AHEAD_ROWS, SPREAD_KEYS=config.spread,
+        JOINT=config.joint, AHEAD=config.ahead, AHEAD_ROWS=AHEAD_ROWS, AHEAD_FACTORS=AHEAD_FACTORS, SPREAD_KEYS=config.spread,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=config.block_v, num_warps=config.num_warps)
     return out
