@@ -99,6 +99,22 @@ def _gemv_fusions(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _delta_rule_sass(results: list[dict]) -> str:
+    """bench/delta_rule_sass.py's counts, a row per launch: the serial loop's instructions a row, its MUFU, shuffles
+    and exchanges through shared memory, and the loop of the factors computed ahead where there is one."""
+    lines = ["| preset | rows | launch (block_v, warps, joint, ahead, spread) | serial loop instructions a row | MUFU | "
+             "SHFL | shared-memory exchanges | registers | factors' loop instructions | target, triton |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        for row in r["results"]:
+            loop, factors = row["serial_loop"], row["factors_loop"]
+            lines.append(f"| {r['preset']} | {r['rows']} | {tuple(row['config'])} | {loop['instructions']} | "
+                         f"{loop['mufu']} | {loop['shfl']} | {loop['exchanges']} | {row['registers']} | "
+                         f"{factors['instructions'] if factors else '-'} | {r['arch']}, "
+                         f"{r['provenance']['versions']['triton']} |")
+    return "\n".join(lines)
+
+
 def _launch_sweep(results: list[dict]) -> str:
     """bench/time_delta_rule.py's and bench/time_attention.py's sweeps, a row per file and length: the kernel's own
     launch against the fastest correct one, and the own launch on inputs laid out as in a step where it was timed."""
@@ -159,7 +175,7 @@ KINDS = {"bench": _bench, "bench-quant": _bench_quant, "bench-quant-gemv": _benc
          "bench-image-ttft": _captioned(_markdown_of("bench_image_ttft")),
          "bench-constraint": _captioned(_markdown_of("bench_constraint")),
          "bench-spec": _captioned(_markdown_of("bench_spec")),
-         "dense-gemv-decode": _captioned(_dense_gemv_decode), "gemv-sass": _gemv_sass,
+         "dense-gemv-decode": _captioned(_dense_gemv_decode), "gemv-sass": _gemv_sass, "delta-rule-sass": _delta_rule_sass,
          "launch-sweep": _launch_sweep, "gemv-fusions": _gemv_fusions}
 ALL_FILES_NEEDED = {"peer"}
 
