@@ -137,8 +137,8 @@ SWEPT_CONFIGS = [delta_rule.DeltaRuleConfig(*c) for c in ((16, 4, True), (16, 4,
                                        f"-spread{int(c.spread)}")
 def test_gated_delta_rule_triton_matches_float64_under_any_launch_config(config):
     """A launch configuration (value columns per program, warps, one joint reduction or two in turn, the rows'
-    factors ahead of the loop or in it, q and k loaded one key a lane or four) changes only the summation order: each one matches float64 over a multi-row
-    piece (what bench/time_delta_rule.py --sweep times)."""
+    factors ahead of the loop or in it, q and k loaded one key a lane or four) changes only the summation order: each
+    one matches float64 over a multi-row piece (what bench/time_delta_rule.py --sweep times)."""
     inputs, arena = gdn_inputs(9, GDN_LAYOUTS["tiny"], torch.float32, seed=seed_of("config", *config))
     want, want_state = gdn_float64(*inputs, arena.state)
     out = delta_rule.gated_delta_rule_triton(*inputs, arena.state, config=config)

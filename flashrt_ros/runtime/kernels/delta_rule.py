@@ -216,17 +216,15 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
                              ahead_rows, key_step, length, dk, dv, scale, eps, GROUPS: tl.constexpr,
                              HAS_COUNT: tl.constexpr, STORE_ROWS: tl.constexpr, JOINT: tl.constexpr,
                              AHEAD: tl.constexpr, AHEAD_ROWS: tl.constexpr, AHEAD_FACTORS: tl.constexpr,
-                             SPREAD_KEYS: tl.constexpr,
-                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                             SPREAD_KEYS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per (value head, block of BLOCK_V value columns): the [dk, BLOCK_V] fp32 state block stays in
     registers over all real rows (read once, written once); padding rows only get zero outputs. With STORE_ROWS the
     state after row t goes to ``rows_ptr + t * rows_row`` (laid out as the state) instead, and the state is only
     read. With AHEAD the rows' factors (gates and norms: nothing that waits on the state) are computed for all rows
     before the serial loop, into the program's [AHEAD_FACTORS, ahead_rows] slice of ``ahead_ptr``, and the loop only
-    loads them.
-    With SPREAD_KEYS a row's q and k are loaded one key a lane, as the state's rows are spread over the lanes, so
-    their products with the state need no exchange through shared memory: the key offsets are multiplied by
-    ``key_step`` (always 1, kept a runtime value so that Triton cannot see the keys contiguous and load them in
+    loads them. With SPREAD_KEYS a row's q and k are loaded one key a lane, as the state's rows are spread over the
+    lanes, so their products with the state need no exchange through shared memory: the key offsets are multiplied
+    by ``key_step`` (always 1, kept a runtime value so that Triton cannot see the keys contiguous and load them in
     vectors of four, a layout that must then be converted)."""
     head = tl.program_id(0)
     key_head = head // GROUPS
@@ -336,10 +334,9 @@ def launch_config(v_heads: int, dk: int, dv: int, piece: bool = False,
     blocks take 4 warps and the joint reduction, larger ones 8 warps and two reductions (SMALL_STATE_BLOCK). A piece
     of several rows (``piece``): PIECE_BLOCK_V columns, one warp, two reductions, the factors computed ahead of the
     serial loop (AHEAD in the kernel: nothing of them waits on the state) and the keys spread (SPREAD_KEYS); under
-    Triton's interpreter, which
-    runs the programs one after another in Python, the decode block instead (a quarter of the programs on the tiny
-    model's 16 columns). The interpreter sums a column as numpy does, whatever the block and the warps, so its bytes
-    are the same either way. ``bench/time_delta_rule.py --sweep`` times the alternatives on a GPU."""
+    Triton's interpreter, which runs the programs one after another in Python, the decode block instead (a quarter
+    of the programs on the tiny model's 16 columns). The interpreter sums a column as numpy does, whatever the block
+    and the warps, so its bytes are the same either way. ``bench/time_delta_rule.py --sweep`` times the alternatives on a GPU."""
     block_v = min(16, triton.next_power_of_2(dv))
     for block in (64, 32):
         if v_heads * triton.cdiv(dv, block) >= 128:
@@ -414,6 +411,7 @@ def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, ro
         state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count,
         state if rows is None else rows, 0 if rows is None else rows.stride(0), ahead, ahead_rows, 1, length, dk,
         dv, dk ** -0.5, 1e-6, GROUPS=v_heads // k_heads, HAS_COUNT=count is not None, STORE_ROWS=rows is not None,
-        JOINT=config.joint, AHEAD=config.ahead, AHEAD_ROWS=AHEAD_ROWS, AHEAD_FACTORS=AHEAD_FACTORS, SPREAD_KEYS=config.spread,
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=config.block_v, num_warps=config.num_warps)
+        JOINT=config.joint, AHEAD=config.ahead, AHEAD_ROWS=AHEAD_ROWS, AHEAD_FACTORS=AHEAD_FACTORS,
+        SPREAD_KEYS=config.spread, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=config.block_v,
+        num_warps=config.num_warps)
     return out
