@@ -8,7 +8,7 @@ instructions, so the loop's length, its MUFU (exp, log, rsqrt, reciprocal: the g
 exchanges through shared memory (a ``STS`` then a barrier then a load, to change a tensor's layout) are what the
 launch configurations trade. The launch is recorded as the engine makes it (q, k, v views of one conv output, a and b
 of one projection, a device count) and compiled as ``compile_kernels.py`` does; ``--config`` takes
-``block_v,warps,joint,ahead,spread`` (see ``delta_rule.DeltaRuleConfig``; default: the piece's own launch). The
+``block_v,warps,joint,ahead`` (see ``delta_rule.DeltaRuleConfig``; default: the piece's own launch). The
 serial loop is the last loop in program order that shuffles (SHFL: its sums over the keys); with the factors ahead
 (``ahead``) the loop before it computes them, ``delta_rule.AHEAD_ROWS`` rows an iteration.
 """
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("preset", nargs="?", default="qwen3.5-0.8b")
     parser.add_argument("--rows", type=int, default=24)
-    parser.add_argument("--config", action="append", help="block_v,warps,joint,ahead,spread (repeatable)")
+    parser.add_argument("--config", action="append", help="block_v,warps,joint,ahead (repeatable)")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -8,8 +8,7 @@ suffix piece's (24 rows), for a preset's DeltaNet shape:
 (copies of it past the L2), and the own launch again on the inputs laid out as a step passes them
 (:func:`as_in_a_step`: views of the projections, a device count). ``--sweep`` also times every value block (1..64
 columns), warp count (1..8) and reduction (one joint or two in turn) and, for a piece, the factors ahead of the
-serial loop or in it and the keys spread or not (``delta_rule.DeltaRuleConfig``), each checked against the default
-configuration's output, nearest the default first (``--budget-s``: the seconds a length's sweep may take; those
+serial loop or in it (``delta_rule.DeltaRuleConfig``), each checked against the default configuration's output, nearest the default first (``--budget-s``: the seconds a length's sweep may take; those
 timed by then are reported), and prints the fastest per length. A/B two versions of the kernel in one sitting by
 running it before and after swapping the module."""
 from __future__ import annotations
@@ -32,12 +31,10 @@ TOLERANCE = 2e-2                     # bf16 outputs of another summation order, 
 
 
 def sweep_configs(dv: int, length: int) -> list[delta_rule.DeltaRuleConfig]:
-    """Every value block, warp count and reduction; a piece's also with its factors ahead of the loop or in it, and
-    its keys spread or not."""
-    piece = (False, True) if length > 1 else (False,)
-    return [delta_rule.DeltaRuleConfig(block, warps, joint, ahead, spread)
-            for block, warps, joint, ahead, spread in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8),
-                                                                        (True, False), piece, piece)
+    """Every value block, warp count and reduction; a piece's also with its factors ahead of the loop or in it."""
+    return [delta_rule.DeltaRuleConfig(block, warps, joint, ahead)
+            for block, warps, joint, ahead in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8), (True, False),
+                                                                (False, True) if length > 1 else (False,))
             if block <= max(4, 1 << (dv - 1).bit_length())]
 
 

@@ -91,20 +91,20 @@ def test_the_dense_gemvs_fusions_form_only_the_decode_rows_in_sm90_sass(tmp_path
 
 @pytest.mark.skipif(not CUDA_BACKEND, reason="needs triton with its CUDA backend (no GPU needed)")
 @pytest.mark.timeout(200)
-def test_a_pieces_delta_rule_loop_has_no_gate_math_and_one_exchange_in_sm90_sass(tmp_path):
-    """bench/delta_rule_sass.py: a piece's own launch computes its rows' gates and norms ahead of the serial loop and
-    loads q and k one key a lane, so the loop has no MUFU (exp, log, rsqrt, reciprocal) and exchanges only its output
-    through shared memory; the same launch with both off has the 7 MUFU and 3 exchanges of before, in a longer
-    loop. (0.8B shape, 24 rows: 393 instructions against 301 with triton 3.9, 385 against 288 with 3.6.)"""
+def test_a_pieces_delta_rule_loop_has_no_gate_math_in_sm90_sass(tmp_path):
+    """bench/delta_rule_sass.py: a piece's own launch computes its rows' gates, norms and q.k ahead of the serial
+    loop, so the loop has no MUFU (exp, log, rsqrt, reciprocal) and no more exchanges through shared memory than
+    before; the launch of before (two sums, the factors in the loop) has 7 MUFU in a longer loop. (0.8B shape, 24
+    rows: 393 instructions against 295 with triton 3.9, 385 against 287 with 3.6.)"""
     out = tmp_path / "sass.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(SCRIPT.parent / "delta_rule_sass.py"), "qwen3.5-0.8b",
-                           "--config", "4,1,0,0,0", "--config", "4,1,0,1,1", "--json", str(out)],
+                           "--config", "4,1,0,0", "--config", "4,1,1,1", "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     before, own = json.loads(out.read_text())["results"]
-    assert own["config"] == [4, 1, False, True, True] and own["local_memory_accesses"] == 0
-    assert before["serial_loop"]["mufu"] >= 5 and before["serial_loop"]["exchanges"] >= 3, before
-    assert own["serial_loop"]["mufu"] == 0 and own["serial_loop"]["exchanges"] == 1, own
+    assert own["config"] == [4, 1, True, True] and own["local_memory_accesses"] == 0
+    assert before["serial_loop"]["mufu"] >= 5, before
+    assert own["serial_loop"]["mufu"] == 0 and own["serial_loop"]["exchanges"] <= before["serial_loop"]["exchanges"]
     assert own["serial_loop"]["instructions"] < 0.85 * before["serial_loop"]["instructions"], (before, own)
     assert own["factors_loop"]["mufu"] > 0 and before["factors_loop"] is None

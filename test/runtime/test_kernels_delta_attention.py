@@ -127,18 +127,16 @@ def test_gated_delta_rule_triton_matches_reference_and_float64(layout, length, d
 
 SWEPT_CONFIGS = [delta_rule.DeltaRuleConfig(*c) for c in ((16, 4, True), (16, 4, False), (8, 1, True), (4, 2, False),
                                                           (4, 1, False, True), (16, 4, True, True),
-                                                          (4, 1, False, True, True), (8, 2, True, False, True),
-                                                          (4, 1, True, True, True))]
+                                                          (4, 1, True, True))]
 
 
 @needs_triton
 @pytest.mark.parametrize("config", SWEPT_CONFIGS,
-                         ids=lambda c: f"v{c.block_v}-w{c.num_warps}-joint{int(c.joint)}-ahead{int(c.ahead)}"
-                                       f"-spread{int(c.spread)}")
+                         ids=lambda c: f"v{c.block_v}-w{c.num_warps}-joint{int(c.joint)}-ahead{int(c.ahead)}")
 def test_gated_delta_rule_triton_matches_float64_under_any_launch_config(config):
     """A launch configuration (value columns per program, warps, one joint reduction or two in turn, the rows'
-    factors ahead of the loop or in it, q and k loaded one key a lane or four) changes only the summation order: each
-    one matches float64 over a multi-row piece (what bench/time_delta_rule.py --sweep times)."""
+    factors ahead of the loop or in it) changes only the summation order: each one matches float64 over a multi-row
+    piece (what bench/time_delta_rule.py --sweep times)."""
     inputs, arena = gdn_inputs(9, GDN_LAYOUTS["tiny"], torch.float32, seed=seed_of("config", *config))
     want, want_state = gdn_float64(*inputs, arena.state)
     out = delta_rule.gated_delta_rule_triton(*inputs, arena.state, config=config)
@@ -149,10 +147,9 @@ def test_gated_delta_rule_triton_matches_float64_under_any_launch_config(config)
 @pytest.mark.parametrize("layout, want", [("0.8b", (16, 4, True)), ("27b", (32, 8, False)), ("tiny", (16, 4, True))])
 def test_the_launch_rule_gives_small_blocks_the_joint_reduction_and_large_ones_two(layout, want):
     _, v_heads, dk, dv = GDN_LAYOUTS[layout]
-    assert tuple(delta_rule.launch_config(v_heads, dk, dv, interpreted=False)) == (*want, False, False)
-    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=False)) == (4, 1, False, True, True)
-    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=True)) == (want[0], 1, False, True,
-                                                                                              True)
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv, interpreted=False)) == (*want, False)
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=False)) == (4, 1, True, True)
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=True)) == (want[0], 1, True, True)
 
 
 @needs_triton
@@ -161,10 +158,8 @@ def test_under_the_interpreter_a_pieces_bytes_do_not_depend_on_its_block():
     """Why the interpreter may launch a piece with the decode block: the narrow GPU block gives the same bytes."""
     inputs, arena = gdn_inputs(9, GDN_LAYOUTS["tiny"], torch.bfloat16, seed=seed_of("interpreted block"))
     state = arena.state.clone()
-    narrow = delta_rule.gated_delta_rule_triton(*inputs, state, config=delta_rule.DeltaRuleConfig(4, 1, False, True,
-                                                                                                   True))
-    wide = delta_rule.gated_delta_rule_triton(*inputs, arena.state,
-                                              config=delta_rule.DeltaRuleConfig(16, 1, False, True, True))
+    narrow = delta_rule.gated_delta_rule_triton(*inputs, state, config=delta_rule.DeltaRuleConfig(4, 1, True, True))
+    wide = delta_rule.gated_delta_rule_triton(*inputs, arena.state, config=delta_rule.DeltaRuleConfig(16, 1, True, True))
     assert_same_bytes("output, 16 columns against 4", wide, narrow)
     assert_same_bytes("state, 16 columns against 4", arena.state, state)
 

@@ -20,12 +20,9 @@ except Exception as err:  # noqa: BLE001 - any failure (not installed, broken in
     IMPORT_ERROR = f"{type(err).__name__}: {err}"
 
 
-def jit(fn=None, **options):
-    """``triton.jit`` (``@jit`` or ``@jit(**options)``) when Triton is importable; otherwise the plain function
-    (never launched)."""
-    if fn is None:
-        return lambda f: jit(f, **options)
-    return triton.jit(fn, **options) if triton is not None else fn
+def jit(fn):
+    """``triton.jit`` when Triton is importable; otherwise the plain function (never launched)."""
+    return triton.jit(fn) if triton is not None else fn
 
 # Under the interpreter tl.dot is numpy's matmul, whose BLAS rounds a row by its place in the tile (OpenBLAS on an
 # AVX2 EPYC: row r of a [16, K] product differs from the same row placed first), so a speculative verify's row would

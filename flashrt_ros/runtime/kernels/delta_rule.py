@@ -191,7 +191,7 @@ def _factors_ahead(q_ptr, q_row, q_head, k_ptr, k_row, k_head, a_ptr, a_row, a_h
 def _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head,
                 b_ptr, b_row, b_head, f_ptr, f_stride, t, head, key_head, keys, cols, key_mask, col_mask,
                 AHEAD: tl.constexpr):
-    """Row t's q, k [dk] (the keys at offsets ``keys``), v [BLOCK_V] and five scalars, in fp32: with AHEAD its
+    """Row t's q, k [dk], v [BLOCK_V] and five scalars, in fp32: with AHEAD its
     stored factors (decay, beta, q scale, k scale, q.k), else a, b and a three times (unused)."""
     qt = tl.load(q_ptr + t * q_row + key_head * q_head + keys, mask=key_mask, other=0.0).to(tl.float32)
     kt = tl.load(k_ptr + t * k_row + key_head * k_head + keys, mask=key_mask, other=0.0).to(tl.float32)
@@ -209,23 +209,20 @@ def _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head
     return qt, kt, vt, x0, x1, x2, x3, x4
 
 
-@jit(do_not_specialize=["key_step"])
+@jit
 def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head,
                              a_ptr, a_row, a_head, b_ptr, b_row, b_head, a_log_ptr, dt_bias_ptr,
                              s_ptr, s_head, s_key, out_ptr, out_row, count_ptr, rows_ptr, rows_row, ahead_ptr,
-                             ahead_rows, key_step, length, dk, dv, scale, eps, GROUPS: tl.constexpr,
+                             ahead_rows, length, dk, dv, scale, eps, GROUPS: tl.constexpr,
                              HAS_COUNT: tl.constexpr, STORE_ROWS: tl.constexpr, JOINT: tl.constexpr,
                              AHEAD: tl.constexpr, AHEAD_ROWS: tl.constexpr, AHEAD_FACTORS: tl.constexpr,
-                             SPREAD_KEYS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per (value head, block of BLOCK_V value columns): the [dk, BLOCK_V] fp32 state block stays in
     registers over all real rows (read once, written once); padding rows only get zero outputs. With STORE_ROWS the
     state after row t goes to ``rows_ptr + t * rows_row`` (laid out as the state) instead, and the state is only
     read. With AHEAD the rows' factors (gates and norms: nothing that waits on the state) are computed for all rows
     before the serial loop, into the program's [AHEAD_FACTORS, ahead_rows] slice of ``ahead_ptr``, and the loop only
-    loads them. With SPREAD_KEYS a row's q and k are loaded one key a lane, as the state's rows are spread over the
-    lanes, so their products with the state need no exchange through shared memory: the key offsets are multiplied
-    by ``key_step`` (always 1, kept a runtime value so that Triton cannot see the keys contiguous and load them in
-    vectors of four, a layout that must then be converted)."""
+    loads them."""
     head = tl.program_id(0)
     key_head = head // GROUPS
     keys = tl.arange(0, BLOCK_K)
@@ -254,17 +251,14 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
     # is d q'.S + (q'.k') delta. It doubles the product's registers, so only small state blocks take it (see
     # SMALL_STATE_BLOCK). With AHEAD (a piece's launch: one warp, where no sum waits at a barrier) the two sums are
     # separate and q.k is one of the factors: a row's serial chain is then one sum deep.
-    row_keys = keys
-    if SPREAD_KEYS:
-        row_keys = keys * key_step
     qn, kn, vn, xn0, xn1, xn2, xn3, xn4 = _row_inputs(
         q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head, b_ptr, b_row, b_head,
-        f_ptr, ahead_rows, 0, head, key_head, row_keys, cols, key_mask, col_mask, AHEAD)
+        f_ptr, ahead_rows, 0, head, key_head, keys, cols, key_mask, col_mask, AHEAD)
     for t in range(0, real):
         qt, kt, vt, x0, x1, x2, x3, x4 = qn, kn, vn, xn0, xn1, xn2, xn3, xn4
         qn, kn, vn, xn0, xn1, xn2, xn3, xn4 = _row_inputs(     # past the last row: row 0 again, unused
             q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head, b_ptr, b_row,
-            b_head, f_ptr, ahead_rows, (t + 1) % real, head, key_head, row_keys, cols, key_mask, col_mask, AHEAD)
+            b_head, f_ptr, ahead_rows, (t + 1) % real, head, key_head, keys, cols, key_mask, col_mask, AHEAD)
         if AHEAD:
             decay, beta, q_scale, k_scale, qk = x0, x1, x2, x3, x4
         else:
@@ -302,28 +296,26 @@ SMALL_STATE_BLOCK = 2048
 
 class DeltaRuleConfig(NamedTuple):
     """How the recurrent kernel is launched: value columns per program, warps, whether a row's two reductions
-    over the state run as one (JOINT in the kernel), whether the rows' factors are computed before the serial
-    loop (AHEAD), and whether a row's q and k are loaded one key a lane (SPREAD_KEYS)."""
+    over the state run as one (JOINT in the kernel), and whether the rows' factors are computed before the serial
+    loop (AHEAD)."""
     block_v: int
     num_warps: int
     joint: bool
     ahead: bool = False
-    spread: bool = False
 
 
 AHEAD_ROWS = 8      # rows of one tile of the factors computed ahead (_factors_ahead)
 AHEAD_FACTORS = 5   # of each row: decay, beta, q scale, k scale, q.k
 
 
-# A piece's launch: PIECE_BLOCK_V value columns and one warp a program, two reductions a row, the factors ahead and
-# the keys spread (compiled for sm_90 by triton 3.6, the 0.8B's serial loop goes from 385 instructions a row, 7 of
-# them MUFU and 3 exchanges through shared memory, to 288 with no MUFU and one exchange, for the output; not yet timed
-# on a GPU: bench/time_delta_rule.py --sweep times every combination). A piece's rows are
-# serial, so the row's latency is what counts: within one warp a reduction needs no barrier, and narrow blocks give
-# the many programs that keep the SMs busy. On an H100 (h100_d9b7208/delta_rule_sweep_*.json, 24 rows) it took the
-# 0.8B's launch from 23.9 us (the decode launch, 16 columns, 4 warps, joint) to 16.6, the 27B's from 49.9 (32, 8
-# warps, two) to 24.3; the fastest of every swept configuration were 16.6 and 23.6. At one row it is slower (3.95
-# against 2.91 us on the 0.8B): decode keeps the rule below.
+# A piece's launch: PIECE_BLOCK_V value columns and one warp a program, the factors ahead and the joint form. A
+# piece's rows are serial, so the row's latency is what counts: within one warp a reduction needs no barrier, and
+# narrow blocks give the many programs that keep the SMs busy. On an H100 (h100_d9b7208/delta_rule_sweep_*.json, 24
+# rows) one warp and 4 columns took the 0.8B's launch from 23.9 us (the decode launch, 16 columns, 4 warps, joint) to
+# 16.6, the 27B's from 49.9 (32, 8 warps, two) to 24.3. With the factors ahead (h100_462ccf5-dirty/, 137 launches)
+# the joint form took the 0.8B's from 16.5 us (two sums, factors in the loop) to 13.1, the fastest of all; in the
+# sm_90 SASS its loop has no MUFU (bench/delta_rule_sass.py). At one row one warp is slower (3.95 against 2.91 us on
+# the 0.8B): decode keeps the rule below.
 PIECE_BLOCK_V = 4
 
 
@@ -332,19 +324,19 @@ def launch_config(v_heads: int, dk: int, dv: int, piece: bool = False,
     """One row (decode, and each row of a verify's rows kernel): the value block is the widest of 64/32/16 that
     still gives >= 128 programs (an H200 has 132 SMs; parallelism comes only from heads x column blocks); small state
     blocks take 4 warps and the joint reduction, larger ones 8 warps and two reductions (SMALL_STATE_BLOCK). A piece
-    of several rows (``piece``): PIECE_BLOCK_V columns, one warp, two reductions, the factors computed ahead of the
-    serial loop (AHEAD in the kernel: nothing of them waits on the state) and the keys spread (SPREAD_KEYS); under
-    Triton's interpreter, which runs the programs one after another in Python, the decode block instead (a quarter
+    of several rows (``piece``): PIECE_BLOCK_V columns, one warp, the factors computed ahead of the serial loop (AHEAD
+    in the kernel: nothing of them waits on the state) and the joint form; under Triton's interpreter, which runs the programs one after another in Python, the decode block instead (a quarter
     of the programs on the tiny model's 16 columns). The interpreter sums a column as numpy does, whatever the block
-    and the warps, so its bytes are the same either way. ``bench/time_delta_rule.py --sweep`` times the alternatives on a GPU."""
+    and the warps, so its bytes are the same either way. ``bench/time_delta_rule.py --sweep`` times the alternatives
+    on a GPU."""
     block_v = min(16, triton.next_power_of_2(dv))
     for block in (64, 32):
         if v_heads * triton.cdiv(dv, block) >= 128:
             block_v = min(block, triton.next_power_of_2(dv))
             break
     if piece:
-        return DeltaRuleConfig(block_v if interpreted else min(PIECE_BLOCK_V, triton.next_power_of_2(dv)), 1, False,
-                               ahead=True, spread=True)
+        return DeltaRuleConfig(block_v if interpreted else min(PIECE_BLOCK_V, triton.next_power_of_2(dv)), 1, True,
+                               ahead=True)
     small = triton.next_power_of_2(dk) * block_v <= SMALL_STATE_BLOCK
     return DeltaRuleConfig(block_v, 4 if small else 8, small)
 
@@ -409,9 +401,8 @@ def _gated_delta_rule_launch(op, q, k, v, a, b, A_log, dt_bias, state, count, ro
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), A_log, dt_bias,
         state, state.stride(0), state.stride(1), out, out.stride(0), out if count is None else count,
-        state if rows is None else rows, 0 if rows is None else rows.stride(0), ahead, ahead_rows, 1, length, dk,
-        dv, dk ** -0.5, 1e-6, GROUPS=v_heads // k_heads, HAS_COUNT=count is not None, STORE_ROWS=rows is not None,
+        state if rows is None else rows, 0 if rows is None else rows.stride(0), ahead, ahead_rows, length, dk, dv,
+        dk ** -0.5, 1e-6, GROUPS=v_heads // k_heads, HAS_COUNT=count is not None, STORE_ROWS=rows is not None,
         JOINT=config.joint, AHEAD=config.ahead, AHEAD_ROWS=AHEAD_ROWS, AHEAD_FACTORS=AHEAD_FACTORS,
-        SPREAD_KEYS=config.spread, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=config.block_v,
-        num_warps=config.num_warps)
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=config.block_v, num_warps=config.num_warps)
     return out
