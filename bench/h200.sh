@@ -40,7 +40,7 @@ for phase in "$@"; do
   echo "===== $phase"
   case "$phase" in
     check)
-      timeout ${CHECK_S:-420} python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore \
+      timeout ${CHECK_S:-420} python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore --maxfail=5 --tb=short \
           ${CHECK_FILES:-test/runtime/test_runtime_gpu.py test/runtime/test_kernels_*.py} > "$OUT/check_pytest.log" 2>&1
       echo "pytest rc=$?"
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/check_pytest.log" | tail -25

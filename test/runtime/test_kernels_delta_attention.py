@@ -5,6 +5,7 @@ small there, head layouts are the presets' (tiny, Qwen3.5-0.8B, Qwen3.6-27B). Te
 Every input is drawn fresh per case from its own seed; ``torch.empty`` hands out NaN so an output or scratch element
 a kernel forgets to write (or reads before writing) fails the comparison. Errors are ``|out - want| / |want|``.
 """
+import functools
 import zlib
 
 import pytest
@@ -148,8 +149,8 @@ def test_gated_delta_rule_triton_matches_float64_under_any_launch_config(config)
 def test_the_launch_rule_gives_small_blocks_the_joint_reduction_and_large_ones_two(layout, want):
     _, v_heads, dk, dv = GDN_LAYOUTS[layout]
     assert tuple(delta_rule.launch_config(v_heads, dk, dv, interpreted=False)) == (*want, False)
-    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=False)) == (4, 1, True, True)
-    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=True)) == (want[0], 1, True, True)
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=False)) == (4, 1, False, False)
+    assert tuple(delta_rule.launch_config(v_heads, dk, dv, piece=True, interpreted=True)) == (want[0], 1, False, False)
 
 
 @needs_triton
@@ -158,8 +159,8 @@ def test_under_the_interpreter_a_pieces_bytes_do_not_depend_on_its_block():
     """Why the interpreter may launch a piece with the decode block: the narrow GPU block gives the same bytes."""
     inputs, arena = gdn_inputs(9, GDN_LAYOUTS["tiny"], torch.bfloat16, seed=seed_of("interpreted block"))
     state = arena.state.clone()
-    narrow = delta_rule.gated_delta_rule_triton(*inputs, state, config=delta_rule.DeltaRuleConfig(4, 1, True, True))
-    wide = delta_rule.gated_delta_rule_triton(*inputs, arena.state, config=delta_rule.DeltaRuleConfig(16, 1, True, True))
+    narrow = delta_rule.gated_delta_rule_triton(*inputs, state, config=delta_rule.DeltaRuleConfig(4, 1, False))
+    wide = delta_rule.gated_delta_rule_triton(*inputs, arena.state, config=delta_rule.DeltaRuleConfig(16, 1, False))
     assert_same_bytes("output, 16 columns against 4", wide, narrow)
     assert_same_bytes("state, 16 columns against 4", arena.state, state)
 
@@ -194,18 +195,19 @@ def check_padded_piece(kernel, bucket: int, n: int, layout, seed: int, tolerance
 
 
 @needs_triton
+@pytest.mark.parametrize("config", [None, delta_rule.PIECE_AHEAD], ids=["own", "ahead"])
 @pytest.mark.parametrize("seed", range(4))
-def test_gated_delta_rule_padding_rows_leave_the_state_as_if_absent(seed):
+def test_gated_delta_rule_padding_rows_leave_the_state_as_if_absent(seed, config):
     """A piece of n >= 2 real rows padded to a bucket: the Triton kernel gives the bytes of the same kernel on the n
     rows (state and outputs), and zero output rows for the padding. One real row in a bucket is launched as a piece,
     one row alone as a decode step (``launch_config``: other blocks and warps, so another summation order): equal
-    within rounding only."""
+    within rounding only. Also with the factors ahead (``PIECE_AHEAD``), whose tiles of rows have a fixed shape."""
     g = gen(100 + seed)
     layout = GDN_LAYOUTS["tiny"] if seed % 2 else (1, 3, 32, 32)      # the 27B preset's 3 value heads per key head
     bucket = (8, 16, 5, 64)[seed]
     for n in (1, int(torch.randint(2, bucket + 1, (1,), generator=g))):
-        check_padded_piece(delta_rule.gated_delta_rule_triton, bucket, n, layout, 200 + seed + n,
-                           TOLERANCE[torch.bfloat16], STATE_TOLERANCE)
+        check_padded_piece(functools.partial(delta_rule.gated_delta_rule_triton, config=config), bucket, n, layout,
+                           200 + seed + n, TOLERANCE[torch.bfloat16], STATE_TOLERANCE)
 
 
 @pytest.mark.parametrize("bucket", [8, 16, 64])
@@ -400,15 +402,23 @@ def test_attention_prefill_matches_float64(layout, length, span, dtype, grouped,
 
 # ---- GPU: realistic sizes (run on the device machine) -------------------------------------------------------------
 
+GPU_GDN_CASES = [(layout, length, ahead) for layout in ("0.8b", "27b") for length in (1, 16, 24, 64)
+                 for ahead in ((False, True) if length > 1 else (False,))]
+
+
 @on_gpu
-@pytest.mark.parametrize("layout", ["0.8b", "27b"])
-@pytest.mark.parametrize("length", [1, 16, 24, 64])
+@pytest.mark.parametrize("layout,length,ahead", GPU_GDN_CASES,
+                         ids=[f"{name}-L{length}-ahead{int(ahead)}" for name, length, ahead in GPU_GDN_CASES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
+def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, ahead, dtype):
+    """The own launch (and a piece's with the factors ahead, ``PIECE_AHEAD``) against float64, replayed from a CUDA
+    graph, and padded to a bucket against its rows alone."""
+    triton_rule = functools.partial(delta_rule.gated_delta_rule_triton,
+                                    config=delta_rule.PIECE_AHEAD if ahead else None)
     inputs, arena = gdn_inputs(length, GDN_LAYOUTS[layout], dtype, seed=length)
     want, want_state = gdn_float64(*inputs, arena.state)
     start = arena.state.clone()
-    out = delta_rule.gated_delta_rule_triton(*inputs, arena.state)
+    out = triton_rule(*inputs, arena.state)
     assert_within("output vs float64", out, want, TOLERANCE[dtype])
     assert_within("state vs float64", arena.state, want_state, 1e-5)
     eager_state, eager = arena.state.clone(), out.clone()
@@ -417,11 +427,11 @@ def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         arena.state.copy_(start)
-        delta_rule.gated_delta_rule_triton(*inputs, arena.state)          # compile outside the capture
+        triton_rule(*inputs, arena.state)                                   # compile outside the capture
         arena.state.copy_(start)
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
-        captured = delta_rule.gated_delta_rule_triton(*inputs, arena.state)
+        captured = triton_rule(*inputs, arena.state)
     arena.state.copy_(start)
     graph.replay()
     torch.cuda.synchronize()
@@ -432,8 +442,8 @@ def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
     count = torch.tensor(length - 3, device=DEVICE)
     padded_state, alone_state = start.clone(), start.clone()
     n = int(count)
-    padded = delta_rule.gated_delta_rule_triton(*poison_rows(inputs, n), padded_state, count)
-    alone = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs), alone_state)
+    padded = triton_rule(*poison_rows(inputs, n), padded_state, count)
+    alone = triton_rule(*(t[:n] if t.dim() >= 2 else t for t in inputs), alone_state)
     assert_same_bytes(f"state of a bucket of {length} with count {n} vs {n} rows alone", padded_state, alone_state)
     assert_same_bytes(f"output of a bucket of {length} with count {n} vs {n} rows alone", padded[:n], alone)
 
