@@ -102,7 +102,7 @@ def _gemv_fusions(results: list[dict]) -> str:
 def _delta_rule_sass(results: list[dict]) -> str:
     """bench/delta_rule_sass.py's counts, a row per launch: the serial loop's instructions a row, its MUFU, shuffles
     and exchanges through shared memory, and the loop of the factors computed ahead where there is one."""
-    lines = ["| preset | rows | launch (block_v, warps, joint, ahead, spread) | serial loop instructions a row | "
+    lines = ["| preset | rows | launch (DeltaRuleConfig) | serial loop instructions a row | "
              "MUFU | SHFL | shared-memory exchanges | registers | factors' loop instructions | target, triton |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
