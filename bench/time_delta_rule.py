@@ -6,10 +6,11 @@ suffix piece's (24 rows), for a preset's DeltaNet shape:
 (default qwen3.5-0.8b 1,24), one line per length with the kernels' own launch configuration
 (``delta_rule.launch_config``: a piece's, or decode's for one row), the state read from device memory as in a step
 (copies of it past the L2), and the own launch again on the inputs laid out as a step passes them
-(:func:`as_in_a_step`: views of the projections, a device count). ``--sweep`` also times every value block (1..64
-columns), warp count (1..8) and reduction (one joint or two in turn) and, for a piece, the factors ahead of the
-serial loop or in it (``delta_rule.DeltaRuleConfig``), each checked against the default configuration's output, nearest the default first (``--budget-s``: the seconds a length's sweep may take; those
-timed by then are reported), and prints the fastest per length. A/B two versions of the kernel in one sitting by
+(:func:`as_in_a_step`: views of the projections and a device count, then each of the two alone). ``--sweep`` also
+times every value block (1..64 columns), warp count (1..8) and reduction (one joint or two in turn) and, for a
+piece, the factors ahead of the serial loop or in it (``delta_rule.DeltaRuleConfig``), each checked against the
+default configuration's output, nearest the default first (``--budget-s``: the seconds a length's sweep may take;
+those timed by then are reported), and prints the fastest per length. A/B two versions of the kernel in one sitting by
 running it before and after swapping the module."""
 from __future__ import annotations
 
@@ -75,11 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.equal(delta_rule.gated_delta_rule_triton(*stepped, state.clone(), count),
                            delta_rule.gated_delta_rule_triton(*inputs, state.clone())):
             raise SystemExit("the inputs laid out as in a step gave other bytes")
-        step_us = time_calls_us(device, [lambda s=s: delta_rule.gated_delta_rule_triton(*stepped, s, count)
-                                         for s, in scratch], args.repeats)
-        in_a_step.append({"length": length, "config": list(default), "us": step_us})
-        print(f"{args.preset} delta rule {length:3d} rows laid out as in a step: {step_us:8.2f} us a launch "
-              f"({tuple(default)})", flush=True)
+        step_us = {name: time_calls_us(device, [lambda s=s, x=x, n=n: delta_rule.gated_delta_rule_triton(*x, s, n)
+                                                for s, in scratch], args.repeats)
+                   for name, x, n in (("us", stepped, count), ("views_us", stepped, None), ("count_us", inputs, count))}
+        in_a_step.append({"length": length, "config": list(default), **step_us})
+        print(f"{args.preset} delta rule {length:3d} rows laid out as in a step: {step_us['us']:8.2f} us a launch "
+              f"({tuple(default)}; the views alone {step_us['views_us']:.2f}, the device count alone "
+              f"{step_us['count_us']:.2f})", flush=True)
         found = sweep_launches(
             device, default, nearest_first(default, sweep_configs(dv, length)) if args.sweep else [],
             lambda c: delta_rule.gated_delta_rule_triton(*inputs, state.clone(), config=c),

@@ -515,7 +515,8 @@ def test_the_launch_sweep_checks_every_configuration_against_the_default_and_tim
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == len(sweep.sweep_configs(16, 2)) and sum(r["default"] for r in rows) == 1
     in_a_step, = json.loads(out.read_text())["in_a_step"]             # the same bytes, checked by the script
-    assert in_a_step["config"] == rows[0]["config"] and in_a_step["us"] > 0
+    assert in_a_step["config"] == rows[0]["config"]
+    assert in_a_step["us"] > 0 and in_a_step["views_us"] > 0 and in_a_step["count_us"] > 0
     assert all(r["correct"] and r["us"] > 0 for r in rows), [r for r in rows if not r["correct"]]
 
 
