@@ -1,7 +1,7 @@
 """The recurrent delta rule's serial loop in SASS, compiled for a CUDA target on any machine: what one row of a piece
 costs in instructions, long-latency MUFU and exchanges through shared memory, per launch configuration.
 
-    python bench/delta_rule_sass.py [PRESET] [--rows 24] [--config 4,1,0,1,1 ...] [--arch 90] [--json out.json]
+    python bench/delta_rule_sass.py [PRESET] [--rows 24] [--config 4,1,1,1 ...] [--arch 90] [--json out.json]
 
 A piece's rows are serial, each program one warp by default: a row's time is the latency of its chain of dependent
 instructions, so the loop's length, its MUFU (exp, log, rsqrt, reciprocal: the gates and the norms) and its
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import sys
 from pathlib import Path
 
@@ -28,10 +27,6 @@ import torch  # noqa: E402
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import delta_rule  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
-
-_OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
-_BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
-
 
 def record(preset: str, rows: int, config: delta_rule.DeltaRuleConfig | None) -> ck.Launch:
     """The piece's launch as a step makes it, recorded on CPU tensors (nothing runs)."""
@@ -50,22 +45,6 @@ def record(preset: str, rows: int, config: delta_rule.DeltaRuleConfig | None) ->
     return recorder.launches[0]
 
 
-def loops(text: str) -> list[collections.Counter]:
-    """The opcode counts of every loop body (a backward branch to a label), in program order."""
-    lines = [(int(m.group(1), 16), line) for line in text.splitlines() if (m := gemv_sass._ADDRESS.search(line))]
-    found = []
-    for index, (here, line) in enumerate(lines):
-        branch = _BRANCH.search(line)
-        if not branch:
-            continue
-        start = gemv_sass._ADDRESS.search(text, text.find(f"{branch.group(1)}:"))
-        if start and int(start.group(1), 16) < here:
-            first = int(start.group(1), 16)
-            found.append((first, collections.Counter(_OPCODE.search(ln).group(1)
-                                                     for address, ln in lines[:index + 1] if address >= first)))
-    return [counts for _, counts in sorted(found, key=lambda item: item[0])]
-
-
 def summary(counts: collections.Counter) -> dict:
     return {"instructions": sum(counts.values()), "mufu": counts["MUFU"], "shfl": counts["SHFL"],
             "exchanges": counts["STS"], "barriers": counts["BAR"]}
@@ -75,7 +54,7 @@ def measure(preset: str, rows: int, config: delta_rule.DeltaRuleConfig | None, a
     """The serial loop's (and the factors' loop's, where there is one) counts and the kernel's registers."""
     launch = record(preset, rows, config)
     text, registers, spills = gemv_sass.sass(launch, arch)
-    bodies = loops(text)
+    bodies = gemv_sass.loops(text)
     serial_at = max(i for i, counts in enumerate(bodies) if counts["SHFL"])
     used = config or delta_rule.launch_config(PRESETS[preset].linear_num_value_heads,
                                               PRESETS[preset].linear_key_head_dim,

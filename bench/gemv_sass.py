@@ -99,24 +99,27 @@ def _registers(cubin: bytes) -> int:
     raise ValueError("no register count in the cubin")
 
 
+def loops(text: str) -> list[collections.Counter]:
+    """Opcode counts of every loop body (a backward branch to a label), in program order."""
+    lines = [(int(m.group(1), 16), line) for line in text.splitlines() if (m := _ADDRESS.search(line))]
+    found = []
+    for index, (here, line) in enumerate(lines):
+        label = re.search(r"\bBRA\b.*`\((\.L_x_\d+)\)", line)
+        if not label:
+            continue
+        where = text.find(f"{label.group(1)}:")
+        after = _ADDRESS.search(text, where) if where >= 0 else None
+        start = int(after.group(1), 16) if after else None
+        if start is not None and start < here:
+            found.append((start, collections.Counter(
+                re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln).group(1)
+                for address, ln in lines[:index + 1] if address >= start)))
+    return [counts for _, counts in sorted(found, key=lambda item: item[0])]
+
+
 def loop_opcodes(text: str) -> collections.Counter:
     """Opcode counts of the body of the longest backward branch (the K loop)."""
-    lines = [(int(m.group(1), 16), line) for line in text.splitlines() if (m := _ADDRESS.search(line))]
-    best: list[str] = []
-    for index, (here, line) in enumerate(lines):
-        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", line) or re.search(r"\bBRA\b\s+`\(\.L_x_(\d+)\)", line)
-        if not branch:
-            continue
-        label = re.search(r"`\((\.L_x_\d+)\)", line)
-        start = None
-        if label:
-            where = text.find(f"{label.group(1)}:")
-            after = _ADDRESS.search(text, where) if where >= 0 else None
-            start = int(after.group(1), 16) if after else None
-        if start is not None and start < here:
-            body = [ln for address, ln in lines[:index + 1] if address >= start]
-            best = body if len(body) > len(best) else best
-    return collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln).group(1) for ln in best)
+    return max(loops(text), key=lambda counts: sum(counts.values()), default=collections.Counter())
 
 
 def loads_before_first_barrier(text: str) -> int:

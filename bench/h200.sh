@@ -2,7 +2,8 @@
 # Runs on the lent H200 (device tool): GPU tests, verify, and the runtime benchmarks. Writes results under $OUT.
 # Usage: bash bench/h200.sh PHASE...   (PHASE: bench-0.8b | bench-27b | quant-tune | quant-tests | quant | profile |
 # delta-sweep (DELTA_PRESETS, DELTA_LENGTHS, DELTA_SWEEP_S: its seconds, shared by the lengths) | attention-sweep
-# (ATTENTION_PRESETS, ATTENTION_LENGTHS, ATTENTION_SWEEP_S; ATTENTION_SWEEP=0: the own launch alone) | check (CHECK_FILES, CHECK_S: its GPU tests) |
+# (ATTENTION_PRESETS, ATTENTION_LENGTHS, ATTENTION_SWEEP_S; ATTENTION_SWEEP=0: the own launch alone) |
+# check (CHECK_FILES, CHECK_S: its GPU tests) |
 # capsules | load | gemv | vision | constraint | spec | spec-27b (DENSE_GEMV: cublas or triton for the last three; spec takes
 # SPEC_MODEL, SPEC_VOCABS, spec-27b SPEC_ACCEPTANCE); quant-tune takes TUNE_ARGS, quant QUANT_PRESETS, profile PROFILE_PRESET, PROFILE_FORMAT, PROFILE_CONTEXTS,
 # PROFILE_DRAFTS, PROFILE_DRAFT_VOCAB, PROFILE_DENSE_GEMV, gemv GEMV_TUNE_S and GEMV_TUNE_27B_S (tuning budgets; 0 skips)

@@ -175,7 +175,8 @@ KINDS = {"bench": _bench, "bench-quant": _bench_quant, "bench-quant-gemv": _benc
          "bench-image-ttft": _captioned(_markdown_of("bench_image_ttft")),
          "bench-constraint": _captioned(_markdown_of("bench_constraint")),
          "bench-spec": _captioned(_markdown_of("bench_spec")),
-         "dense-gemv-decode": _captioned(_dense_gemv_decode), "gemv-sass": _gemv_sass, "delta-rule-sass": _delta_rule_sass,
+         "dense-gemv-decode": _captioned(_dense_gemv_decode), "gemv-sass": _gemv_sass,
+         "delta-rule-sass": _delta_rule_sass,
          "launch-sweep": _launch_sweep, "gemv-fusions": _gemv_fusions}
 ALL_FILES_NEEDED = {"peer"}
 

@@ -327,8 +327,9 @@ def launch_config(v_heads: int, dk: int, dv: int, piece: bool = False,
     """One row (decode, and each row of a verify's rows kernel): the value block is the widest of 64/32/16 that
     still gives >= 128 programs (an H200 has 132 SMs; parallelism comes only from heads x column blocks); small state
     blocks take 4 warps and the joint reduction, larger ones 8 warps and two reductions (SMALL_STATE_BLOCK). A piece
-    of several rows (``piece``): PIECE_BLOCK_V columns, one warp, two sums; under Triton's interpreter, which runs the programs one after another in Python, the decode block instead (a quarter
-    of the programs on the tiny model's 16 columns). The interpreter sums a column as numpy does, whatever the block
+    of several rows (``piece``): PIECE_BLOCK_V columns, one warp, two sums; under Triton's interpreter, which runs
+    the programs one after another in Python, the decode block instead (a quarter of the programs on the tiny
+    model's 16 columns). The interpreter sums a column as numpy does, whatever the block
     and the warps, so its bytes are the same either way. ``bench/time_delta_rule.py --sweep`` times the alternatives
     on a GPU."""
     block_v = min(16, triton.next_power_of_2(dv))
