@@ -308,16 +308,14 @@ AHEAD_ROWS = 8      # rows of one tile of the factors computed ahead (_factors_a
 AHEAD_FACTORS = 5   # of each row: decay, beta, q scale, k scale, q.k
 
 
-# A piece's launch: PIECE_BLOCK_V value columns and one warp a program, two sums a row. A piece's rows are serial,
-# so the row's latency is what counts: within one warp a reduction needs no barrier, and narrow blocks give the many
-# programs that keep the SMs busy. On an H100 (h100_d9b7208/delta_rule_sweep_*.json, 24 rows) it took the 0.8B's
-# launch from 23.9 us (the decode launch, 16 columns, 4 warps, joint) to 16.6, the 27B's from 49.9 (32, 8 warps, two)
-# to 24.3. At one row one warp is slower (3.95 against 2.91 us on the 0.8B): decode keeps the rule below.
-# PIECE_AHEAD, the same launch with the factors ahead and the joint form, was the fastest of the 137 swept on an H100
-# (h100_462ccf5-dirty/: 13.1 us against 16.5) and its sm_90 loop has no MUFU (bench/delta_rule_sass.py); it is not
-# the default because the GPU tests of pieces failed in the one run where the factors ahead were (with q and k then
-# loaded one key a lane, since removed; the failures' messages were cut by the run's time limit), and no GPU was
-# left to run them again. test_gpu_gated_delta_rule_presets_and_graph_replay runs it on the next GPU.
+# A piece's launch (PIECE_AHEAD): PIECE_BLOCK_V value columns and one warp a program, the rows' factors ahead of the
+# serial loop, the joint form. A piece's rows are serial, so the row's latency is what counts: within one warp a
+# reduction needs no barrier, narrow blocks give the many programs that keep the SMs busy, and with the factors ahead
+# a row's chain is one sum deep with no MUFU in it (bench/delta_rule_sass.py). On an H100 one warp took the 0.8B's
+# 24-row launch from 23.9 us (the decode launch, 16 columns, 4 warps, joint) to 16.6, the 27B's from 49.9 (32, 8 warps,
+# two) to 24.3 (h100_d9b7208/delta_rule_sweep_*.json); the factors ahead took the 0.8B's to 13.1, the fastest of the
+# 137 swept (h100_462ccf5-dirty/). At one row one warp is slower (3.95 against 2.91 us on the 0.8B): decode keeps the
+# rule below.
 PIECE_BLOCK_V = 4
 PIECE_AHEAD = DeltaRuleConfig(PIECE_BLOCK_V, 1, True, ahead=True)
 
@@ -327,10 +325,10 @@ def launch_config(v_heads: int, dk: int, dv: int, piece: bool = False,
     """One row (decode, and each row of a verify's rows kernel): the value block is the widest of 64/32/16 that
     still gives >= 128 programs (an H200 has 132 SMs; parallelism comes only from heads x column blocks); small state
     blocks take 4 warps and the joint reduction, larger ones 8 warps and two reductions (SMALL_STATE_BLOCK). A piece
-    of several rows (``piece``): PIECE_BLOCK_V columns, one warp, two sums; under Triton's interpreter, which runs
-    the programs one after another in Python, the decode block instead (a quarter of the programs on the tiny
-    model's 16 columns). The interpreter sums a column as numpy does, whatever the block
-    and the warps, so its bytes are the same either way. ``bench/time_delta_rule.py --sweep`` times the alternatives
+    of several rows (``piece``): :data:`PIECE_AHEAD`; under Triton's interpreter, which runs the programs one after
+    another in Python, the decode block, one warp and two sums with the factors in the loop instead (a quarter of
+    the programs on the tiny model's 16 columns, and no pass over the rows before the loop). The interpreter sums a
+    column as numpy does, whatever the block and the warps, so its bytes are the same either way. ``bench/time_delta_rule.py --sweep`` times the alternatives
     on a GPU."""
     block_v = min(16, triton.next_power_of_2(dv))
     for block in (64, 32):
@@ -338,7 +336,9 @@ def launch_config(v_heads: int, dk: int, dv: int, piece: bool = False,
             block_v = min(block, triton.next_power_of_2(dv))
             break
     if piece:
-        return DeltaRuleConfig(block_v if interpreted else min(PIECE_BLOCK_V, triton.next_power_of_2(dv)), 1, False)
+        if interpreted:
+            return DeltaRuleConfig(block_v, 1, False)
+        return PIECE_AHEAD._replace(block_v=min(PIECE_BLOCK_V, triton.next_power_of_2(dv)))
     small = triton.next_power_of_2(dk) * block_v <= SMALL_STATE_BLOCK
     return DeltaRuleConfig(block_v, 4 if small else 8, small)
 
