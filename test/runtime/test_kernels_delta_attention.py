@@ -166,11 +166,12 @@ def test_under_the_interpreter_a_pieces_bytes_do_not_depend_on_its_block():
 
 
 def poison_rows(inputs, count):
-    """The same inputs with every row >= count replaced by NaN (the padding of a bucket may hold anything)."""
+    """The same inputs with every row >= count replaced by NaN (the padding of a bucket may hold anything), each
+    laid out as before (same strides, aligned storage): an engine's bucket and its rows are views of one buffer."""
     poisoned = []
     for t in inputs:
         if t.dim() >= 2:
-            t = t.clone()
+            t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
             t[count:] = float("nan")
         poisoned.append(t)
     return poisoned

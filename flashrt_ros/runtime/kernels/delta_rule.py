@@ -361,7 +361,10 @@ def gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, 
     """:func:`gated_delta_rule_reference` in one launch: a recurrence over the L rows (meant for L <= 64: decode and
     short pieces; long pieces belong to the chunked kernels). Same contract; q, k, v, a, b may be strided views
     (unit last stride); the state [Hv, dk, dv] fp32 needs unit last stride. ``count`` is read on the device;
-    ``config`` replaces :func:`launch_config`'s (a sweep)."""
+    ``config`` replaces :func:`launch_config`'s (a sweep). Compiled, a padded piece gives its rows' bytes for
+    inputs of one layout: Triton specializes strides and addresses divisible by 16 and lays out the factors'
+    tiles (their sums' order) by them. A step's q, k, v, a and b are views of buffers whose layout the model sets,
+    the same for every piece length and count."""
     return _gated_delta_rule_launch("gated_delta_rule_triton", q, k, v, a, b, A_log, dt_bias, state, count, None,
                                     config)
 
