@@ -165,26 +165,26 @@ def _factors(qt, kt, at, bt, neg_a, dt_bias, b_ptr, scale, eps, AXIS: tl.constex
 
 @jit
 def _factors_ahead(q_ptr, q_row, q_head, k_ptr, k_row, k_head, a_ptr, a_row, a_head, b_ptr, b_row, b_head, f_ptr,
-                   f_stride, length, head, key_head, keys, key_mask, neg_a, dt_bias, scale, eps, ROWS: tl.constexpr):
-    """:func:`_factors` of every row (padding rows too: nothing here waits for the count) and its q.k (unscaled),
-    ROWS rows a tile, stored as decay, beta, q scale, k scale and q.k at ``f_ptr + i * f_stride + row`` (i = 0..4).
-    The tile's shape is fixed, so a row's sums take the same order whatever the piece's length."""
+                   f_stride, real, head, key_head, keys, key_mask, neg_a, dt_bias, scale, eps, ROWS: tl.constexpr):
+    """:func:`_factors` of every real row and its q.k (unscaled), ROWS rows a tile, stored as decay, beta, q scale,
+    k scale and q.k at ``f_ptr + i * f_stride + row`` (i = 0..4). The tile's shape is fixed, so a row's sums take the
+    same order whatever the piece's length."""
     tile = tl.arange(0, ROWS)
-    for first in range(0, length, ROWS):
+    for first in range(0, real, ROWS):
         rows = first + tile
-        in_piece = rows < length
-        mask = in_piece[:, None] & key_mask[None, :]
+        real_rows = rows < real
+        mask = real_rows[:, None] & key_mask[None, :]
         qt = tl.load(q_ptr + rows[:, None] * q_row + key_head * q_head + keys[None, :], mask=mask, other=0.0)
         kt = tl.load(k_ptr + rows[:, None] * k_row + key_head * k_head + keys[None, :], mask=mask, other=0.0)
-        at = tl.load(a_ptr + rows * a_row + head * a_head, mask=in_piece, other=0.0).to(tl.float32)
-        bt = tl.load(b_ptr + rows * b_row + head * b_head, mask=in_piece, other=0.0).to(tl.float32)
+        at = tl.load(a_ptr + rows * a_row + head * a_head, mask=real_rows, other=0.0).to(tl.float32)
+        bt = tl.load(b_ptr + rows * b_row + head * b_head, mask=real_rows, other=0.0).to(tl.float32)
         qt, kt = qt.to(tl.float32), kt.to(tl.float32)
         decay, beta, q_scale, k_scale = _factors(qt, kt, at, bt, neg_a, dt_bias, b_ptr, scale, eps, 1)
-        tl.store(f_ptr + rows, decay, mask=in_piece)
-        tl.store(f_ptr + f_stride + rows, beta, mask=in_piece)
-        tl.store(f_ptr + 2 * f_stride + rows, q_scale, mask=in_piece)
-        tl.store(f_ptr + 3 * f_stride + rows, k_scale, mask=in_piece)
-        tl.store(f_ptr + 4 * f_stride + rows, tl.sum(qt * kt, axis=1), mask=in_piece)
+        tl.store(f_ptr + rows, decay, mask=real_rows)
+        tl.store(f_ptr + f_stride + rows, beta, mask=real_rows)
+        tl.store(f_ptr + 2 * f_stride + rows, q_scale, mask=real_rows)
+        tl.store(f_ptr + 3 * f_stride + rows, k_scale, mask=real_rows)
+        tl.store(f_ptr + 4 * f_stride + rows, tl.sum(qt * kt, axis=1), mask=real_rows)
 
 
 @jit
@@ -218,13 +218,11 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
                              AHEAD: tl.constexpr, AHEAD_ROWS: tl.constexpr, AHEAD_FACTORS: tl.constexpr,
                              BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per (value head, block of BLOCK_V value columns): the [dk, BLOCK_V] fp32 state block stays in
-    registers over all rows (read once, written once). Padding rows (t >= count) run as real rows do, but their
-    update of the state is dropped and their output is zero: the count is needed only at each row's end. (A loop
-    bounded by the loaded count made the whole launch wait for that load before its own: 19.3 against 13.5 us for 24
-    rows on an H100.) With STORE_ROWS the state after row t goes to ``rows_ptr + t * rows_row`` (laid out as the
-    state) instead, and the state is only read. With AHEAD the rows' factors (gates and norms: nothing that waits on
-    the state) are computed for all rows before the serial loop, into the program's [AHEAD_FACTORS, ahead_rows] slice
-    of ``ahead_ptr``, and the loop only loads them."""
+    registers over all real rows (read once, written once); padding rows only get zero outputs. With STORE_ROWS the
+    state after row t goes to ``rows_ptr + t * rows_row`` (laid out as the state) instead, and the state is only
+    read. With AHEAD the rows' factors (gates and norms: nothing that waits on the state) are computed for all rows
+    before the serial loop, into the program's [AHEAD_FACTORS, ahead_rows] slice of ``ahead_ptr``, and the loop only
+    loads them."""
     head = tl.program_id(0)
     key_head = head // GROUPS
     keys = tl.arange(0, BLOCK_K)
@@ -237,12 +235,13 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
     neg_a = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     out_ptrs = out_ptr + head * dv + cols
+    real = length
     if HAS_COUNT:
         real = tl.minimum(tl.load(count_ptr).to(tl.int32), length)
     f_ptr = ahead_ptr + (head * tl.num_programs(1) + tl.program_id(1)) * AHEAD_FACTORS * ahead_rows
     if AHEAD:
         _factors_ahead(q_ptr, q_row, q_head, k_ptr, k_row, k_head, a_ptr, a_row, a_head, b_ptr, b_row, b_head, f_ptr,
-                       ahead_rows, length, head, key_head, keys, key_mask, neg_a, dt_bias, scale, eps, AHEAD_ROWS)
+                       ahead_rows, real, head, key_head, keys, key_mask, neg_a, dt_bias, scale, eps, AHEAD_ROWS)
         tl.debug_barrier()                     # the loop's threads read factors that other threads stored
     # Row t + 1's inputs are loaded while row t computes (they do not depend on the state), so the serial chain per
     # row is the state's arithmetic alone. The l2-norms scale the reductions' results instead of q and k first: the
@@ -255,12 +254,11 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
     qn, kn, vn, xn0, xn1, xn2, xn3, xn4 = _row_inputs(
         q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head, b_ptr, b_row, b_head,
         f_ptr, ahead_rows, 0, head, key_head, keys, cols, key_mask, col_mask, AHEAD)
-    for t in range(0, length):
+    for t in range(0, real):
         qt, kt, vt, x0, x1, x2, x3, x4 = qn, kn, vn, xn0, xn1, xn2, xn3, xn4
         qn, kn, vn, xn0, xn1, xn2, xn3, xn4 = _row_inputs(     # past the last row: row 0 again, unused
             q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head, b_ptr, b_row,
-            b_head, f_ptr, ahead_rows, (t + 1) % length, head, key_head, keys, cols, key_mask, col_mask, AHEAD)
-        s_before = s
+            b_head, f_ptr, ahead_rows, (t + 1) % real, head, key_head, keys, cols, key_mask, col_mask, AHEAD)
         if AHEAD:
             decay, beta, q_scale, k_scale, qk = x0, x1, x2, x3, x4
         else:
@@ -280,12 +278,11 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
             delta = (vt - tl.sum(kt[:, None] * s, axis=0) * k_scale) * beta
             s = s + (kt * k_scale)[:, None] * delta[None, :]
             out = tl.sum(qt[:, None] * s, axis=0) * q_scale
-        if HAS_COUNT:                          # a padding row: its update dropped, its output zero
-            s = tl.where(t < real, s, s_before)
-            out = tl.where(t < real, out, 0.0)
         tl.store(out_ptrs + t * out_row, round_like(out, out_ptr).to(out_ptr.dtype.element_ty), mask=col_mask)
         if STORE_ROWS:
             tl.store(rows_ptr + t * rows_row + s_offsets, s, mask=s_mask)
+    for t in range(real, length):
+        tl.store(out_ptrs + t * out_row, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty), mask=col_mask)
     if not STORE_ROWS:
         tl.store(s_ptrs, s, mask=s_mask)
 
