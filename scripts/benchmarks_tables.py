@@ -117,8 +117,10 @@ def _delta_rule_sass(results: list[dict]) -> str:
 
 def _launch_sweep(results: list[dict]) -> str:
     """bench/time_delta_rule.py's and bench/time_attention.py's sweeps, a row per file and length: the kernel's own
-    launch against the fastest correct one, and the own launch on inputs laid out as in a step where it was timed."""
-    lines = ["| kernel | preset | rows | own launch | us | as in a step, us | fastest launch | us | own / fastest | "
+    launch against the fastest correct one, and the own launch on inputs laid out as in a step where it was timed
+    (and, where they were timed, on each of the step layout's two parts alone: the views, the device count)."""
+    lines = ["| kernel | preset | rows | own launch | us | as in a step, us (the views alone, the count alone) | "
+             "fastest launch | us | own / fastest | "
              "wrong | commit |",
              "|---|---|---:|---|---:|---:|---|---:|---:|---:|---|"]
     for r in results:
@@ -128,12 +130,17 @@ def _launch_sweep(results: list[dict]) -> str:
             rows = [row for row in r["rows"] if row["length"] == length]
             own = next(row for row in rows if row["default"])
             best = min((row for row in rows if row["us"] is not None), key=lambda row: row["us"])
-            in_a_step = next((f"{s['us']:.2f}" for s in r.get("in_a_step", ()) if s["length"] == length), "-")
+            in_a_step = next((_in_a_step(s) for s in r.get("in_a_step", ()) if s["length"] == length), "-")
             lines.append(f"| {kernel} | {r['preset']} | {length} | {tuple(own['config'])} | {own['us']:.2f} | "
                          f"{in_a_step} | "
                          f"{tuple(best['config'])} | {best['us']:.2f} | {own['us'] / best['us']:.2f} | "
                          f"{sum(not row['correct'] for row in rows)} of {len(rows)} | `{commit}` |")
     return "\n".join(lines)
+
+
+def _in_a_step(timed: dict) -> str:
+    parts = f" ({timed['views_us']:.2f}, {timed['count_us']:.2f})" if "views_us" in timed else ""
+    return f"{timed['us']:.2f}{parts}"
 
 
 def _engine_option(result: dict, flag: str, default: str) -> str:
