@@ -328,8 +328,8 @@ def launch_config(v_heads: int, dk: int, dv: int, piece: bool = False,
     of several rows (``piece``): :data:`PIECE_AHEAD`; under Triton's interpreter, which runs the programs one after
     another in Python, the decode block, one warp and two sums with the factors in the loop instead (a quarter of
     the programs on the tiny model's 16 columns, and no pass over the rows before the loop). The interpreter sums a
-    column as numpy does, whatever the block and the warps, so its bytes are the same either way. ``bench/time_delta_rule.py --sweep`` times the alternatives
-    on a GPU."""
+    column as numpy does, whatever the block and the warps, so its bytes are the same either way.
+    ``bench/time_delta_rule.py --sweep`` times the alternatives on a GPU."""
     block_v = min(16, triton.next_power_of_2(dv))
     for block in (64, 32):
         if v_heads * triton.cdiv(dv, block) >= 128:
