@@ -410,11 +410,10 @@ def test_attention_prefill_matches_float64(layout, length, span, dtype, grouped,
 def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
     """The own launch (a piece's: ``PIECE_AHEAD``, the factors ahead of the serial loop) against float64, replayed
     from a CUDA graph, and padded to a bucket against its rows alone."""
-    triton_rule = delta_rule.gated_delta_rule_triton
     inputs, arena = gdn_inputs(length, GDN_LAYOUTS[layout], dtype, seed=length)
     want, want_state = gdn_float64(*inputs, arena.state)
     start = arena.state.clone()
-    out = triton_rule(*inputs, arena.state)
+    out = delta_rule.gated_delta_rule_triton(*inputs, arena.state)
     assert_within("output vs float64", out, want, TOLERANCE[dtype])
     assert_within("state vs float64", arena.state, want_state, 1e-5)
     eager_state, eager = arena.state.clone(), out.clone()
@@ -423,11 +422,11 @@ def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         arena.state.copy_(start)
-        triton_rule(*inputs, arena.state)                                   # compile outside the capture
+        delta_rule.gated_delta_rule_triton(*inputs, arena.state)          # compile outside the capture
         arena.state.copy_(start)
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
-        captured = triton_rule(*inputs, arena.state)
+        captured = delta_rule.gated_delta_rule_triton(*inputs, arena.state)
     arena.state.copy_(start)
     graph.replay()
     torch.cuda.synchronize()
@@ -438,8 +437,8 @@ def test_gpu_gated_delta_rule_presets_and_graph_replay(layout, length, dtype):
     count = torch.tensor(length - 3, device=DEVICE)
     padded_state, alone_state = start.clone(), start.clone()
     n = int(count)
-    padded = triton_rule(*poison_rows(inputs, n), padded_state, count)
-    alone = triton_rule(*(t[:n] if t.dim() >= 2 else t for t in inputs), alone_state)
+    padded = delta_rule.gated_delta_rule_triton(*poison_rows(inputs, n), padded_state, count)
+    alone = delta_rule.gated_delta_rule_triton(*(t[:n] if t.dim() >= 2 else t for t in inputs), alone_state)
     assert_same_bytes(f"state of a bucket of {length} with count {n} vs {n} rows alone", padded_state, alone_state)
     assert_same_bytes(f"output of a bucket of {length} with count {n} vs {n} rows alone", padded[:n], alone)
 

@@ -191,8 +191,8 @@ def _factors_ahead(q_ptr, q_row, q_head, k_ptr, k_row, k_head, a_ptr, a_row, a_h
 def _row_inputs(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, v_row, v_head, a_ptr, a_row, a_head,
                 b_ptr, b_row, b_head, f_ptr, f_stride, t, head, key_head, keys, cols, key_mask, col_mask,
                 AHEAD: tl.constexpr):
-    """Row t's q, k [dk], v [BLOCK_V] and five scalars, in fp32: with AHEAD its
-    stored factors (decay, beta, q scale, k scale, q.k), else a, b and a three times (unused)."""
+    """Row t's q, k [dk], v [BLOCK_V] and five scalars, in fp32: with AHEAD its stored factors (decay, beta, q scale,
+    k scale, q.k), else a, b and a three times (unused)."""
     qt = tl.load(q_ptr + t * q_row + key_head * q_head + keys, mask=key_mask, other=0.0).to(tl.float32)
     kt = tl.load(k_ptr + t * k_row + key_head * k_head + keys, mask=key_mask, other=0.0).to(tl.float32)
     vt = tl.load(v_ptr + t * v_row + head * v_head + cols, mask=col_mask, other=0.0).to(tl.float32)
