@@ -81,20 +81,26 @@ def test_sibling_restore_copies_the_fixed_state_and_the_divergence_only_and_is_b
 
 def test_a_sibling_restore_is_one_batched_copy_and_repeats_byte_exact(monkeypatch):
     """The host-bound path: a sibling restore writes its ranges (fixed state, divergent rows) in one batched copy,
-    over views made on its first restore; restores back and forth keep matching the capsules' bytes. (The tiny
-    model's fixed state is under BATCHED_COPY_BYTES, so every range is batched here.)"""
+    over views made when each capsule was stored (not on its first restore: no restore makes one); restores back
+    and forth keep matching the capsules' bytes. (The tiny model's fixed state is under BATCHED_COPY_BYTES, so every
+    range is batched here.)"""
     engine = make()
     assert engine.layout.fixed_bytes < live.BATCHED_COPY_BYTES
     full = planner(engine)
-    calls = []
-    batched = torch._foreach_copy_
+    calls, views = [], []
+    batched, make_write = torch._foreach_copy_, live.write
     monkeypatch.setattr(torch, "_foreach_copy_", lambda dsts, srcs, **kw: (calls.append(len(dsts)),
                                                                             batched(dsts, srcs, **kw)))
+    monkeypatch.setattr(live, "write", lambda dst, src: (views.append(dst.numel()), make_write(dst, src))[1])
     for name in ("b0", "b1", "b2", "b1", "b0", "b2"):
         calls.clear()
         engine.restore(name)
         assert_live_is(engine, full[name])
         assert len(calls) == 1 and calls[0] >= 2, calls      # the fixed state's ranges and the branch's rows
+    assert views == []
+    engine.ingest([7] * 4)
+    engine.snapshot("b3")             # a new capsule's views are made as it is stored: its fixed state, its own rows
+    assert sum(views) == engine.layout.fixed_bytes + 4 * row_bytes(engine)
 
 
 @pytest.mark.parametrize("limit", [1 << 40, 64], ids=["all-batched", "large-alone"])
@@ -121,6 +127,8 @@ def test_restore_after_a_rollback_below_the_capsule_rewrites_the_overwritten_row
     engine.ingest(ROOT)
     engine.ingest([7] * 20)
     engine.snapshot("a")
+    block = engine.store.get("a").rows["kv"][0][0]
+    assert list(block.writes) == [(0, 120)]          # its whole segment's views, made when it was stored
     want = engine.capsule_bytes("a").clone()
     engine.rollback(steps=1)                         # back to 100 tokens; rows 100..119 are overwritten next
     engine.ingest([9] * 20)
@@ -129,8 +137,7 @@ def test_restore_after_a_rollback_below_the_capsule_rewrites_the_overwritten_row
     assert_live_is(engine, want)
     # the restore wrote a part of a's block (rows 100..119): its views are not kept on the block (a rollback can
     # leave the stream anywhere; a whole segment's views are kept, once)
-    block = engine.store.get("a").rows["kv"][0][0]
-    assert (100, 120) not in block.writes
+    assert list(block.writes) == [(0, 120)]
     engine.reset()
     engine.restore("a")
     assert list(block.writes) == [(0, 120)]

@@ -10,7 +10,9 @@ does those copies.
 A restore is host-bound: each ``copy_`` is a dispatch and a ``cudaMemcpyAsync`` (8.5 us of host time each on an H100
 host), each slice a view (2.8 us); a sibling restore was four copies and six slices (``bench/profile_restore.py``).
 So a restore's ranges below :data:`BATCHED_COPY_BYTES` (the metadata, a branch's KV rows) go out in one
-``torch._foreach_copy_`` (one launch, over 8-byte words), the larger ones alone, over views cached on the blocks.
+``torch._foreach_copy_`` (one launch, over 8-byte words), the larger ones alone, over views cached on the blocks. The
+views of a capsule's fixed state and of its whole segments are made when it is stored, so that its first restore
+costs what later ones do (a planner restores each branch it made; the first restore of each made them before).
 """
 from __future__ import annotations
 
@@ -139,10 +141,15 @@ class LiveCopier:
         return rows
 
     def taken(self, rows: dict[str, tuple[Segment, ...]], position: int) -> None:
-        """The live KV rows now equal these stored segments (the capsule they were taken into is stored)."""
+        """The live KV rows now equal these stored segments (the capsule they were taken into is stored); the views
+        a restore of them writes with are made now."""
         for name in self.layout.row_bytes:
             self.rows.set(name, rows[name], position)
-        self.rows.fixed_id = rows[FIXED][0][0].id
+            for block, lo, hi in rows[name]:
+                self._segment_write(name, block, lo, hi, keep=True)
+        fixed = rows[FIXED][0][0]
+        self.rows.fixed_id = fixed.id
+        self._fixed_writes(fixed, None)
 
     def load(self, rows: dict[str, tuple[Segment, ...]], position: int, kv_only: bool = False) -> int:
         """Write a capsule's rows into the live arena: its fixed state unless the live one is that block already,
@@ -153,15 +160,15 @@ class LiveCopier:
         copied = 0
         if kv_only or fixed.id != self.rows.fixed_id:
             names = ("meta",) if kv_only else None
-            if names not in fixed.writes:
-                fixed.writes[names] = tuple(write(live, fixed.data[offset:offset + length])
-                                            for live, offset, length in self._fixed_ranges[names])
-            writes.extend(fixed.writes[names])
+            writes.extend(self._fixed_writes(fixed, names))
             copied += sum(length for _, _, length in self._fixed_ranges[names])
         for name in ("kv",) if kv_only else self.layout.row_bytes:
             segments = rows[name]
             start = self.rows.common(name, segments)
-            self._row_writes(name, segments, start, writes)
+            for block, first, hi in segments:
+                lo = max(first, start)
+                if lo < hi:
+                    writes.append(self._segment_write(name, block, lo, hi, keep=lo == first))
             self.rows.set(name, segments, position)
             copied += max(0, position - start) * self.layout.row_bytes[name]
         copy_ranges(writes)
@@ -169,18 +176,23 @@ class LiveCopier:
         self.rows.fixed_id = None if kv_only else fixed.id
         return copied
 
-    def _row_writes(self, name: str, segments: tuple[Segment, ...], start: int, writes: list[Write]) -> None:
-        """The writes of the capsule rows from ``start`` on into the live KV buffer ``name``."""
-        spec = self.arena.specs[name]
-        for block, first, hi in segments:
-            lo = max(first, start)
-            if lo >= hi:
-                continue
-            cached = block.writes.get((lo, hi))
-            if cached is None:
-                row = spec.row_bytes
-                cached = write(self.arena.storage[spec.offset + lo * row:spec.offset + hi * row],
-                               block.data[(lo - block.start) * row:(hi - block.start) * row])
-                if lo == first:       # a whole segment (a sibling's rows, a full restore): kept; a part after a
-                    block.writes[lo, hi] = cached    # rollback starts anywhere, and caching it would grow the block
-            writes.append(cached)
+    def _fixed_writes(self, fixed: Block, names: tuple[str, ...] | None) -> tuple[Write, ...]:
+        """The writes of a capsule's fixed state (``names``: only those buffers), made once and kept on its block."""
+        if names not in fixed.writes:
+            fixed.writes[names] = tuple(write(live, fixed.data[offset:offset + length])
+                                        for live, offset, length in self._fixed_ranges[names])
+        return fixed.writes[names]
+
+    def _segment_write(self, name: str, block: Block, lo: int, hi: int, keep: bool) -> Write:
+        """The write of a block's rows [lo, hi) into the live KV buffer ``name``; ``keep`` it on the block for a
+        whole segment (a sibling's rows, a full restore), not for a part after a rollback (it starts anywhere, and
+        keeping it would grow the block)."""
+        cached = block.writes.get((lo, hi))
+        if cached is None:
+            spec = self.arena.specs[name]
+            row = spec.row_bytes
+            cached = write(self.arena.storage[spec.offset + lo * row:spec.offset + hi * row],
+                           block.data[(lo - block.start) * row:(hi - block.start) * row])
+            if keep:
+                block.writes[lo, hi] = cached
+        return cached
