@@ -151,6 +151,9 @@ class StoredCapsule:
     tier: str = DEVICE
     host: torch.Tensor | None = None
     owns_file: bool = False      # its file was written by a spill (a drop deletes it); exports and indexed files stay
+    # the info the store last reported, with what it was made of (CapsuleStore.info): every restore reports one, and
+    # a dataclasses.replace costs several microseconds of a host-bound restore's time
+    reported: tuple | None = dataclasses.field(default=None, repr=False)
 
 
 def is_pinned(stored: StoredCapsule) -> bool:

@@ -195,8 +195,11 @@ class CapsuleStore:
         stored = self.get(capsule_id)
         own, shared = self.split_bytes(stored) if stored.tier == DEVICE else (stored.info.nbytes, 0)
         tier = stored.info.tier if stored.tier == DEVICE else stored.tier    # the device tier by its memory kind
-        return dataclasses.replace(stored.info, own_bytes=own, shared_bytes=shared, pinned=is_pinned(stored),
-                                   tier=tier)
+        made_of, reported = (own, shared, is_pinned(stored), tier), stored.reported
+        if reported is None or reported[0] is not stored.info or reported[1] != made_of:
+            reported = stored.reported = (stored.info, made_of, dataclasses.replace(
+                stored.info, own_bytes=own, shared_bytes=shared, pinned=made_of[2], tier=tier))
+        return reported[2]
 
     def infos(self) -> list[CapsuleInfo]:
         return [self.info(capsule_id) for capsule_id in self._capsules]
