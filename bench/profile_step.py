@@ -30,24 +30,28 @@ engine = Engine(EngineConfig(model=preset, device="cuda", dtype="bfloat16", max_
 device = engine.device
 engine.ingest(prompt_tokens(engine.vocab_size, context, "profile"))
 engine.snapshot("base")
-decode = engine.graphs.graphs[engine._step(drafts, True, engine._kv_bucket(context + 1 + drafts), carried)[0]]
-piece = engine.graphs.graphs[("piece", _piece_bucket(suffix), engine._kv_bucket(context + suffix))]
+decode_kv = engine._kv_bucket(context + 1 + drafts)
+# the plain plan's step is two graphs, the pick and the forward (Engine._plain_step); the speculative plan's one
+decode = ([engine.graphs.graphs[("sample", True)], engine.graphs.graphs[("forward", decode_kv)]] if drafts == 0
+          else [engine.graphs.graphs[engine._step(drafts, True, decode_kv, carried)[0]]])
+piece = [engine.graphs.graphs[("piece", _piece_bucket(suffix), engine._kv_bucket(context + suffix))]]
 engine._count.fill_(suffix)
 
 
-def replayed(graph):
-    """A raw replay changes the live state behind the engine's back: say so first, as a step does, or the restore
+def replayed(graphs):
+    """Raw replays change the live state behind the engine's back: say so first, as a step does, or the restore
     after it takes the live fixed state for the capsule's (nothing ran since the restore, as far as it knows),
     skips writing it, and every replay starts further on (at the end, past the rope tables: an index assertion)."""
     def run():
         engine.live.rows.truncate(engine.position)
-        graph.replay()
+        for graph in graphs:
+            graph.replay()
     return run
 
 
-steps = {f"decode graph ({drafts} drafts{', carried pick' if carried else ''})": replayed(decode),
+steps = {f"decode step ({drafts} drafts{', carried pick' if carried else ''})": replayed(decode),
          f"piece graph ({suffix} tokens)": replayed(piece),
-         "first-token logits + argmax": engine.peek_token, "restore (lineage)": lambda: engine.restore("base")}
+         "first token (the step's pick)": engine.peek_token, "restore (lineage)": lambda: engine.restore("base")}
 
 
 def median_ms(fn, repeats=20):

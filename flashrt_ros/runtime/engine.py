@@ -193,7 +193,7 @@ class Engine:
         self._llg_tokenizer = None
         self._tokens = torch.zeros(max(cfg.prefill_chunk, PIECE_BUCKET, STEP_ROWS), dtype=torch.int64,
                                    device=self.device)
-        # the speculative plan's steps (None: main's one-row decode step, see _decode_step)
+        # the speculative plan's steps (None: main's one-row decode step, see _plain_step)
         self.stepper = (Stepper(self.model, self.sampler, self._tokens, self._mask_words, self._mask_lookup,
                                 self._draft_vocab(cfg.draft_vocab)) if cfg.speculative_tokens else None)
         self.speculative_stats = Stats()          # since start
@@ -307,17 +307,9 @@ class Engine:
         return list(range(PIECE_BUCKET, _piece_bucket(min(SMALL_PIECE, self.config.prefill_chunk)) + 1,
                           PIECE_BUCKET))
 
-    def _decode_step(self, greedy: bool, kv_len: int):
-        """The plain plan's decode step: one row (speculative_tokens 0): the masked pick, then the forward."""
-        sample, forward = self._sample_step(greedy), self._forward_step(kv_len)
-
-        def step():
-            sample()
-            forward()
-        return step
-
     def _sample_step(self, greedy: bool):
-        """The first part of the plain decode step: the next token, masked, into ``_tokens[0]``."""
+        """The first part of the plain plan's decode step (one row, speculative_tokens 0): the next token, masked,
+        into ``_tokens[0]``."""
         def sample():
             logits, words = self.model.logits(), self._mask_words[:1]
             if greedy:
@@ -331,11 +323,14 @@ class Engine:
         """The second part: the model over ``_tokens[0]``."""
         return lambda: self.model.forward(self._tokens[:1], kv_len)
 
-    def _overlapped_step(self, greedy: bool, kv_len: int) -> int:
-        """A constrained plain decode step whose next mask costs no device time: the pick runs (its own graph), the
-        forward is launched (its own graph), and while the device runs it the matcher accepts the picked token and
-        computes the next token's mask, whose copy into the mask words the stream orders after the forward. Returns
-        the token (accepted)."""
+    def _plain_step(self, greedy: bool, kv_len: int) -> int:
+        """A plain decode step, its token released once picked: the pick runs (its own graph), the token is copied
+        to the host, the forward is launched (its own graph), and the host waits for the pick only. While the device
+        runs the forward the caller has the token (a stream's tokens come one forward sooner: the first after an
+        ingest as soon as it is picked), and under a constraint the matcher accepts it and computes the next token's
+        mask, whose copy into the mask words the stream orders after the forward. Every later operation is ordered
+        after the forward on the same stream, so what it sees is the state after the token. Returns the token
+        (accepted by the constraint, if one is live)."""
         self.graphs.run(("sample", greedy), self._sample_step(greedy))
         self._token_host.copy_(self._tokens[:1], non_blocking=True)
         picked = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -345,10 +340,17 @@ class Engine:
         if picked is not None:
             picked.synchronize()              # the pick only: the forward goes on
         token = int(self._token_host[0])
-        self.constraint.accept(token)
-        if not self.constraint.stopped:
-            self._fill_mask()
+        if self.constraint is not None:
+            self.constraint.accept(token)
+            if not self.constraint.stopped:
+                self._fill_mask()
         return token
+
+    def _refresh_mask(self) -> None:
+        """The live matcher's mask into the mask words, unless they hold it already (the step before computed it
+        while its forward ran: :meth:`_plain_step`)."""
+        if self.constraint is not None and self._mask_of != (self.constraint, len(self.constraint.tokens)):
+            self._fill_mask()
 
     def _fill_mask(self) -> None:
         """The live matcher's mask of the next token into the mask words (row 0), noting which state it is of."""
@@ -356,11 +358,9 @@ class Engine:
         self._mask_of = (self.constraint, len(self.constraint.tokens))
 
     def _step(self, drafts: int, greedy: bool, kv_len: int, carried: bool = False):
-        """The graph key and the function of a decode step with ``drafts`` drafts: the plain plan's one-row step,
-        or the speculative plan's STEP_ROWS-row step (this sets its live row count, drafts + 1; ``carried``: it
-        takes the pick the verify before made, see :meth:`_take_carried_pick`)."""
-        if self.stepper is None:
-            return ("decode", greedy, kv_len), self._decode_step(greedy, kv_len)
+        """The graph key and the function of the speculative plan's STEP_ROWS-row step with ``drafts`` drafts (this
+        sets its live row count, drafts + 1; ``carried``: it takes the pick the verify before made, see
+        :meth:`_take_carried_pick`). The plain plan's step is :meth:`_plain_step`."""
         self.stepper.count.fill_(drafts + 1)
         return ("step", drafts, greedy, kv_len, carried), self.stepper.step(drafts, greedy, kv_len, carried)
 
@@ -400,16 +400,17 @@ class Engine:
             self._tokens.zero_()
             self._count.fill_(1)
         for kv_len in self.kv_buckets:
-            if self.stepper is None:          # a constrained plain step's two parts (_overlapped_step)
+            if self.stepper is None:          # the plain step's second part (_plain_step)
                 self.graphs.capture(("forward", kv_len), self._forward_step(kv_len), prepare)
-            carries = (False, True) if self.stepper is not None else (False,)
-            for greedy, k, carried in itertools.product((True, False), range(self.config.speculative_tokens + 1),
-                                                        carries):
-                self.graphs.capture(*self._step(k, greedy, kv_len, carried), prepare)
-                if k and not carried:         # a constrained step's two parts (_constrained_step)
-                    self.graphs.capture(("draft", k, greedy, kv_len), self.stepper.draft(k, greedy, kv_len), prepare)
-                    self.graphs.capture(("verify", k, greedy, kv_len), self.stepper.verify(k, greedy, kv_len),
-                                        prepare)
+            else:
+                for greedy, k, carried in itertools.product((True, False), range(self.config.speculative_tokens + 1),
+                                                            (False, True)):
+                    self.graphs.capture(*self._step(k, greedy, kv_len, carried), prepare)
+                    if k and not carried:     # a constrained step's two parts (_constrained_step)
+                        self.graphs.capture(("draft", k, greedy, kv_len), self.stepper.draft(k, greedy, kv_len),
+                                            prepare)
+                        self.graphs.capture(("verify", k, greedy, kv_len), self.stepper.verify(k, greedy, kv_len),
+                                            prepare)
             for bucket in self._piece_buckets():
                 self.graphs.capture(("piece", bucket, kv_len), self._piece_step(bucket, kv_len), prepare)
         if self.stepper is None:
@@ -634,13 +635,10 @@ class Engine:
             self.live.rows.truncate(position)
             self._moved_to(None)
             constrained = self.constraint is not None
-            if constrained and self._mask_of != (self.constraint, len(self.constraint.tokens)):
-                self._fill_mask()             # else the step before computed it (_overlapped_step)
+            self._refresh_mask()
             accepted = constrained and self.stepper is None
-            if accepted:
-                tokens = [self._overlapped_step(params.greedy, kv_len)]
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()     # the forward done, as tolist() below
+            if self.stepper is None:
+                tokens = [self._plain_step(params.greedy, kv_len)]
             else:
                 carried = self._take_carried_pick(params)
                 if drafts and constrained:
@@ -735,8 +733,12 @@ class Engine:
 
     @torch.inference_mode()
     def peek_token(self) -> int:
-        """The greedy next token, without committing it (scoring, TTFT measurement)."""
-        return int(self.model.logits().argmax())
+        """The greedy next token (under the live constraint's mask), without committing it: the plain step's pick
+        (:meth:`_plain_step`), run as a stream runs it (its graph, on CUDA), so the time it takes is what a stream's
+        first token takes (scoring, TTFT measurement)."""
+        self._refresh_mask()
+        self.graphs.run(("sample", True), self._sample_step(True))
+        return int(self._tokens[0])
 
     @torch.inference_mode()
     def next_token_logits(self) -> torch.Tensor:

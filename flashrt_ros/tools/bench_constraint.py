@@ -3,7 +3,7 @@ schema constraint on the same engine and prompt, and the CPU mask work per token
 into the device buffer, and feeding the sampled token to the matcher), timed apart on the constrained run's tokens.
 
 On the plain plan on CUDA the mask of the next token is computed while the device runs the step's forward
-(``Engine._overlapped_step``): the ratio then shows what the mask still costs beyond that (``mask_overlapped``). On the
+(``Engine._plain_step``): the ratio then shows what the mask still costs beyond that (``mask_overlapped``). On the
 CPU, or on the speculative plan, it is computed between steps.
 """
 from __future__ import annotations

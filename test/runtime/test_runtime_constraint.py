@@ -231,10 +231,10 @@ def test_an_hf_tokenizer_json_is_given_to_llguidance(tmp_path):
 
 
 @pytest.mark.parametrize("sampling", [None, WARM])
-def test_the_overlapped_constrained_step_equals_the_one_graph_step(engine, sampling):
+def test_the_overlapped_constrained_step_equals_the_step_driven_by_hand(engine, sampling):
     """A constrained plain step runs its pick and its forward apart, accepting the token and computing the next mask
-    in between (on CUDA while the forward runs): its tokens and final bytes are those of the one decode step (pick
-    and forward together) driven by hand with the mask computed before each step."""
+    in between (on CUDA while the forward runs): its tokens and final bytes are those of the pick and the forward
+    driven by hand with the mask computed before each step."""
     start(engine, "json_schema", SCHEMA, 7)
     want = list(engine.generate(300, sampling))
     state = engine.live_bytes()
@@ -244,7 +244,8 @@ def test_the_overlapped_constrained_step_equals_the_one_graph_step(engine, sampl
     matcher, words, got = engine.constraint, engine._mask_words[0], []
     while not matcher.stopped:
         matcher.fill_mask(words)
-        engine._decode_step(sampling is None, engine._kv_bucket(engine.arena.position() + 1))()
+        engine._sample_step(sampling is None)()
+        engine._forward_step(engine._kv_bucket(engine.arena.position() + 1))()
         got.append(int(engine._tokens[0]))
         matcher.accept(got[-1])
     engine._moved_to(None)                            # driven by hand: the engine reads the position from the arena

@@ -33,6 +33,26 @@ def test_graph_replay_equals_eager_bytes_and_tokens(kernel_set):
     assert torch.equal(bytes_g, bytes_e)
 
 
+def test_a_stream_has_each_token_while_its_forward_runs_and_sees_the_state_after_it():
+    """The plain plan releases a token once it is picked (Engine._plain_step): the host has it while the device
+    still runs the forward over it, and an operation after the yield (a snapshot) is ordered after that forward, so
+    it holds the state after the token: the capsule bytes of a stream synchronised after every token."""
+    prompt = prompt_tokens(512, 157, "gpu-prompt")
+    released, synced = (Engine(EngineConfig(device="cuda", max_context=512)) for _ in range(2))
+    stream, busy = torch.cuda.current_stream(), []
+    for engine in (released, synced):
+        engine.ingest(prompt)
+    for n, token in enumerate(released.generate(12, stop_token_ids=())):
+        busy.append(not stream.query())
+        released.snapshot(f"t{n}")
+    for n, token in enumerate(synced.generate(12, stop_token_ids=())):
+        torch.cuda.synchronize()
+        synced.snapshot(f"t{n}")
+    assert sum(busy) >= 9, busy          # a descheduled host may find a forward done now and then
+    for n in range(12):
+        assert torch.equal(released.capsule_bytes(f"t{n}"), synced.capsule_bytes(f"t{n}")), n
+
+
 @pytest.mark.skipif(not kernels.fla_available(), reason="fla-core is not installed")
 @pytest.mark.parametrize("length", [7, 64, 200])
 def test_fla_chunk_matches_reference(length):
