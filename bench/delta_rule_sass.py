@@ -4,9 +4,10 @@ costs in instructions, long-latency MUFU and exchanges through shared memory, pe
     python bench/delta_rule_sass.py [PRESET] [--rows 24] [--config 4,1,1,1 ...] [--arch 90] [--json out.json]
 
 A piece's rows are serial, each program one warp by default: a row's time is the latency of its chain of dependent
-instructions, so the loop's length, its MUFU (exp, log, rsqrt, reciprocal: the gates and the norms) and its
-exchanges through shared memory (a ``STS`` then a barrier then a load, to change a tensor's layout) are what the
-launch configurations trade. The launch is recorded as the engine makes it (q, k, v views of one conv output, a and b
+instructions, so the loop's length, its MUFU (exp, log, rsqrt, reciprocal: the gates and the norms), its
+exchanges through shared memory (a ``STS`` then a barrier then a load, to change a tensor's layout) and whether its
+reduction trees are interleaved (SHFLs issued next to each other) or one after another are what the launch
+configurations trade. The launch is recorded as the engine makes it (q, k, v views of one conv output, a and b
 of one projection, a device count) and compiled as ``compile_kernels.py`` does; ``--config`` takes
 ``block_v,warps,joint,ahead`` (see ``delta_rule.DeltaRuleConfig``; default: the piece's own launch). The
 serial loop is the last loop in program order that shuffles (SHFL: its sums over the keys); with the factors ahead
@@ -45,8 +46,13 @@ def record(preset: str, rows: int, config: delta_rule.DeltaRuleConfig | None) ->
     return recorder.launches[0]
 
 
-def summary(counts: collections.Counter) -> dict:
-    return {"instructions": sum(counts.values()), "mufu": counts["MUFU"], "shfl": counts["SHFL"],
+def summary(body: list[str]) -> dict:
+    """A loop's counts; ``shfl_adjacent``: its SHFLs issued next to another SHFL (its reduction trees interleaved,
+    where none means one tree after another: each row waits on their latencies in turn)."""
+    counts = collections.Counter(body)
+    shfl = [i for i, opcode in enumerate(body) if opcode == "SHFL"]
+    return {"instructions": len(body), "mufu": counts["MUFU"], "shfl": len(shfl),
+            "shfl_adjacent": sum(1 for i in shfl if i - 1 in shfl or i + 1 in shfl),
             "exchanges": counts["STS"], "barriers": counts["BAR"]}
 
 
@@ -54,8 +60,8 @@ def measure(preset: str, rows: int, config: delta_rule.DeltaRuleConfig | None, a
     """The serial loop's (and the factors' loop's, where there is one) counts and the kernel's registers."""
     launch = record(preset, rows, config)
     text, registers, spills = gemv_sass.sass(launch, arch)
-    bodies = gemv_sass.loops(text)
-    serial_at = max(i for i, counts in enumerate(bodies) if counts["SHFL"])
+    bodies = gemv_sass.loop_bodies(text)
+    serial_at = max(i for i, body in enumerate(bodies) if "SHFL" in body)
     used = config or delta_rule.launch_config(PRESETS[preset].linear_num_value_heads,
                                               PRESETS[preset].linear_key_head_dim,
                                               PRESETS[preset].linear_value_head_dim, piece=True, interpreted=False)
@@ -80,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         loop, factors = result["serial_loop"], result["factors_loop"]
         print(f"{args.preset} {args.rows} rows {tuple(result['config'])} sm_{args.arch}: serial loop "
-              f"{loop['instructions']} instructions a row, {loop['mufu']} MUFU, {loop['shfl']} SHFL, "
+              f"{loop['instructions']} instructions a row, {loop['mufu']} MUFU, {loop['shfl']} SHFL "
+              f"({loop['shfl_adjacent']} next to another), "
               f"{loop['exchanges']} shared-memory exchanges; {result['registers']} registers, "
               f"{result['local_memory_accesses']} local-memory accesses"
               + (f"; factors {factors['instructions']} instructions per {delta_rule.AHEAD_ROWS} rows" if factors

@@ -99,8 +99,8 @@ def _registers(cubin: bytes) -> int:
     raise ValueError("no register count in the cubin")
 
 
-def loops(text: str) -> list[collections.Counter]:
-    """Opcode counts of every loop body (a backward branch to a label), in program order."""
+def loop_bodies(text: str) -> list[list[str]]:
+    """The opcodes of every loop body (a backward branch to a label) in issue order, the loops in program order."""
     lines = [(int(m.group(1), 16), line) for line in text.splitlines() if (m := _ADDRESS.search(line))]
     found = []
     for index, (here, line) in enumerate(lines):
@@ -111,10 +111,14 @@ def loops(text: str) -> list[collections.Counter]:
         after = _ADDRESS.search(text, where) if where >= 0 else None
         start = int(after.group(1), 16) if after else None
         if start is not None and start < here:
-            found.append((start, collections.Counter(
-                re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln).group(1)
-                for address, ln in lines[:index + 1] if address >= start)))
-    return [counts for _, counts in sorted(found, key=lambda item: item[0])]
+            found.append((start, [re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln).group(1)
+                                  for address, ln in lines[:index + 1] if address >= start]))
+    return [body for _, body in sorted(found, key=lambda item: item[0])]
+
+
+def loops(text: str) -> list[collections.Counter]:
+    """Opcode counts of every loop body, in program order."""
+    return [collections.Counter(body) for body in loop_bodies(text)]
 
 
 def loop_opcodes(text: str) -> collections.Counter:

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from flashrt_ros.runtime.config import PRESETS  # noqa: E402
 from flashrt_ros.runtime.kernels import delta_rule  # noqa: E402
+from flashrt_ros.runtime.kernels._triton import INTERPRETED  # noqa: E402
 from flashrt_ros.tools import provenance  # noqa: E402
 from flashrt_ros.tools.timing import (fastest_line, print_sweep_row, sweep_arguments, sweep_launches,  # noqa: E402
                                       time_calls_us, weight_copies)
@@ -31,10 +32,12 @@ from flashrt_ros.tools.timing import (fastest_line, print_sweep_row, sweep_argum
 TOLERANCE = 2e-2                     # bf16 outputs of another summation order, relative to the largest
 
 
-def sweep_configs(dv: int, length: int) -> list[delta_rule.DeltaRuleConfig]:
-    """Every value block, warp count and reduction; a piece's also with its factors ahead of the loop or in it."""
+def sweep_configs(dv: int, length: int, interpreted: bool = INTERPRETED) -> list[delta_rule.DeltaRuleConfig]:
+    """Every value block, warp count and reduction; a piece's also with its factors ahead of the loop or in it.
+    Under Triton's interpreter (which runs a program's lanes as one, whatever its warps) one warp count."""
     return [delta_rule.DeltaRuleConfig(block, warps, joint, ahead)
-            for block, warps, joint, ahead in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8), (True, False),
+            for block, warps, joint, ahead in itertools.product((1, 2, 4, 8, 16, 32, 64),
+                                                                (1,) if interpreted else (1, 2, 4, 8), (True, False),
                                                                 (False, True) if length > 1 else (False,))
             if block <= max(4, 1 << (dv - 1).bit_length())]
 

@@ -101,7 +101,8 @@ def _gemv_fusions(results: list[dict]) -> str:
 
 def _delta_rule_sass(results: list[dict]) -> str:
     """bench/delta_rule_sass.py's counts, a row per launch: the serial loop's instructions a row, its MUFU, shuffles
-    and exchanges through shared memory, and the loop of the factors computed ahead where there is one."""
+    (how many next to another, where recorded) and exchanges through shared memory, and the loop of the factors
+    computed ahead where there is one."""
     lines = ["| preset | rows | launch (DeltaRuleConfig) | serial loop instructions a row | "
              "MUFU | SHFL | shared-memory exchanges | registers | factors' loop instructions | target, triton |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -109,7 +110,9 @@ def _delta_rule_sass(results: list[dict]) -> str:
         for row in r["results"]:
             loop, factors = row["serial_loop"], row["factors_loop"]
             lines.append(f"| {r['preset']} | {r['rows']} | {tuple(row['config'])} | {loop['instructions']} | "
-                         f"{loop['mufu']} | {loop['shfl']} | {loop['exchanges']} | {row['registers']} | "
+                         f"{loop['mufu']} | {loop['shfl']}"
+                         + (f" ({loop['shfl_adjacent']} adjacent)" if "shfl_adjacent" in loop else "")
+                         + f" | {loop['exchanges']} | {row['registers']} | "
                          f"{factors['instructions'] if factors else '-'} | {r['arch']}, "
                          f"{r['provenance']['versions']['triton']} |")
     return "\n".join(lines)

@@ -238,6 +238,11 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
     real = length
     if HAS_COUNT:
         real = tl.minimum(tl.load(count_ptr).to(tl.int32), length)
+    # Padding rows' outputs are zeros, stored before the serial loop: stored after it, ptxas (sm_90, triton 3.6 and
+    # 3.9) serialised the loop's reduction trees of a launch with a device count, 6 us of a 24-row piece's 13
+    # (bench/delta_rule_sass.py's shfl_adjacent; bench/results/h100_*/zero_loop_order.txt).
+    for t in range(real, length):
+        tl.store(out_ptrs + t * out_row, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty), mask=col_mask)
     f_ptr = ahead_ptr + (head * tl.num_programs(1) + tl.program_id(1)) * AHEAD_FACTORS * ahead_rows
     if AHEAD:
         _factors_ahead(q_ptr, q_row, q_head, k_ptr, k_row, k_head, a_ptr, a_row, a_head, b_ptr, b_row, b_head, f_ptr,
@@ -281,8 +286,6 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
         tl.store(out_ptrs + t * out_row, round_like(out, out_ptr).to(out_ptr.dtype.element_ty), mask=col_mask)
         if STORE_ROWS:
             tl.store(rows_ptr + t * rows_row + s_offsets, s, mask=s_mask)
-    for t in range(real, length):
-        tl.store(out_ptrs + t * out_row, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty), mask=col_mask)
     if not STORE_ROWS:
         tl.store(s_ptrs, s, mask=s_mask)
 
