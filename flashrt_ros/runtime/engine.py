@@ -649,15 +649,16 @@ class Engine:
             committed = int(self.stepper.committed) if drafts else 1
             if drafts:
                 self.stepper.invalidate(position + committed, position + drafts + 1)
-            elapsed = time.perf_counter() - started
+            released = time.perf_counter()
             for stats in (self.speculative_stats, self.generation_stats):
                 stats.add(drafts, committed)
             steps = self.generation_stats.steps
             if steps == 1:
-                self.stats_ttft_ms = 1000.0 * (self._last_ingest_s + elapsed)
-            else:
-                rate = committed / max(elapsed, 1e-9)
+                self.stats_ttft_ms = 1000.0 * (self._last_ingest_s + released - started)
+            else:   # the stream's rate, release to release (a plain step's forward runs while the caller has its token)
+                rate = committed / max(released - last_released, 1e-9)
                 self.stats_tokens_per_s = rate if steps == 2 else 0.9 * self.stats_tokens_per_s + 0.1 * rate
+            last_released = released
             for row, token in enumerate(tokens[:committed]):
                 if drafts:
                     self.stepper.commit(row)
