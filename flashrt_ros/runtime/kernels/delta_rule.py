@@ -240,7 +240,7 @@ def _gated_delta_rule_kernel(q_ptr, q_row, q_head, k_ptr, k_row, k_head, v_ptr, 
         real = tl.minimum(tl.load(count_ptr).to(tl.int32), length)
     # Padding rows' outputs are zeros, stored before the serial loop: stored after it, ptxas (sm_90, triton 3.6 and
     # 3.9) serialised the loop's reduction trees of a launch with a device count, 6 us of a 24-row piece's 13
-    # (bench/delta_rule_sass.py's shfl_adjacent; bench/results/h100_*/zero_loop_order.txt).
+    # (bench/delta_rule_sass.py's shfl_adjacent; bench/results/h100_0414adb/zero_loop_order.txt).
     for t in range(real, length):
         tl.store(out_ptrs + t * out_row, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty), mask=col_mask)
     f_ptr = ahead_ptr + (head * tl.num_programs(1) + tl.program_id(1)) * AHEAD_FACTORS * ahead_rows
