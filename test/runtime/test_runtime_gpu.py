@@ -42,10 +42,10 @@ def test_a_stream_has_each_token_while_its_forward_runs_and_sees_the_state_after
     stream, busy = torch.cuda.current_stream(), []
     for engine in (released, synced):
         engine.ingest(prompt)
-    for n, token in enumerate(released.generate(12, stop_token_ids=())):
+    for n, _ in enumerate(released.generate(12, stop_token_ids=())):
         busy.append(not stream.query())
         released.snapshot(f"t{n}")
-    for n, token in enumerate(synced.generate(12, stop_token_ids=())):
+    for n, _ in enumerate(synced.generate(12, stop_token_ids=())):
         torch.cuda.synchronize()
         synced.snapshot(f"t{n}")
     assert sum(busy) >= 9, busy          # a descheduled host may find a forward done now and then
