@@ -2,14 +2,20 @@
 ``python3 bench/profile_restore.py PRESET CONTEXT [BRANCHES] [BRANCH_TOKENS] [RESTORES]`` builds
 ``bench-capsules``' planner tree, then restores sibling after sibling and prints the mean wall time, the host
 operations by self time (torch.profiler: aten ops and CUDA runtime calls) and the Python functions by total time
-(cProfile). The bench's ``sibling_restore_host_p50_ms`` above its device time says the device waits on these."""
+(cProfile). The bench's ``sibling_restore_host_p50_ms`` above its device time says the device waits on these.
+Before those, single restores as the bench times them (synchronised before and after): each branch's first restore
+since it was stored, then later ones, with the host's time split at the copies' issue (Python before them, the
+copies' calls, Python after)."""
 import cProfile
 import pstats
+import statistics
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import flashrt_ros.runtime.capsule.live as live
 from flashrt_ros.runtime import Engine, EngineConfig
 from flashrt_ros.tools.bench_capsules import build_tree
 from flashrt_ros.tools.timing import timed
@@ -32,6 +38,39 @@ def siblings(count: int) -> float:
     return timed(engine.device, lambda: [engine.restore(ids[(n + 1) % len(ids)]) for n in range(count)])[1] / count
 
 
+def single_shots(rounds: int) -> None:
+    """Restore each branch in turn, ``rounds`` times, each synchronised alone; per round the p50 wall time and the
+    host's time before the copies' calls, in them and after them (``live.copy_ranges`` stamped)."""
+    stamps = []
+    issue = live.copy_ranges
+
+    def stamped(writes):
+        stamps.append(time.perf_counter())
+        issue(writes)
+        stamps.append(time.perf_counter())
+
+    live.copy_ranges = stamped
+    try:
+        for r in range(rounds):
+            walls, parts = [], []
+            for capsule_id in ids:
+                stamps.clear()
+                torch.cuda.synchronize() if device == "cuda" else None
+                start = time.perf_counter()
+                engine.restore(capsule_id)
+                end = time.perf_counter()
+                torch.cuda.synchronize() if device == "cuda" else None
+                walls.append(1000 * (time.perf_counter() - start))
+                parts.append([1000 * (b - a) for a, b in zip([start] + stamps, stamps + [end])])
+            split = [statistics.median(p[i] for p in parts) for i in range(3)]
+            print(f"round {r} ({'first restores' if r == 0 else 'again'}): wall p50 {statistics.median(walls):.4f} ms, "
+                  f"host before the copies {split[0]:.4f}, the copies' calls {split[1]:.4f}, after {split[2]:.4f} ms")
+    finally:
+        live.copy_ranges = issue
+
+
+engine.restore("root")
+single_shots(3)
 siblings(restores)   # warm
 print(f"{preset} at {context}, {branches} branches of {branch_tokens}: sibling restore {siblings(restores):.4f} ms "
       f"(mean of {restores}, back to back), {engine.last_restore_bytes} bytes each")
