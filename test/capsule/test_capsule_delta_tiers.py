@@ -562,6 +562,30 @@ def test_on_cuda_an_eviction_stages_on_a_side_stream_and_reads_back_while_its_wr
     assert torch.equal(engine.live_bytes().cpu(), full["b"].cpu())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_capsules_restores_keep_their_writes_and_on_cuda_replay_them_from_a_graph_byte_exact(device):
+    """A capsule keeps the writes of its restores of whole segments, and on CUDA replays them from a graph from the
+    second restore on: in a planner's loop (siblings, the root, a branch after tokens and a rollback, whose rows are
+    written from inside a segment and so as they are) every restore leaves its capsule's bytes live and the tokens
+    after it are the first restore's."""
+    engine = make(device=device)
+    full = planner(engine, branches=3)
+    after: dict[str, list[int]] = {}
+    for _ in range(3):
+        for capsule_id in ("b0", "root", "b2", "b1", "b2"):
+            engine.restore(capsule_id)
+            assert torch.equal(engine.live_bytes().cpu(), full[capsule_id].cpu()), capsule_id
+            tokens = greedy(engine, 4)
+            assert after.setdefault(capsule_id, tokens) == tokens, capsule_id
+            engine.rollback(steps=2)
+    kept = {capsule_id: [copies for copies in engine.store.get(capsule_id).rows["fixed"][0][0].writes.values()
+                         if isinstance(copies, live.RestoreCopies) and copies.issued >= 2]
+            for capsule_id in ("root", "b0", "b1", "b2")}
+    assert all(kept.values()), kept
+    assert all((copies.graph is not None) == (device == "cuda") for copies in sum(kept.values(), []))
+
+
 def test_bench_capsules_cli_reports_sharing_and_every_tier(tmp_path, capsys):
     from flashrt_ros.tools import cli
     out = tmp_path / "bench.json"
@@ -575,12 +599,14 @@ def test_bench_capsules_cli_reports_sharing_and_every_tier(tmp_path, capsys):
     assert result["full_copies_bytes"] == engine.arena.live_nbytes(128) + 4 * engine.arena.live_nbytes(144)
     assert result["sibling_restore_bytes"] == fixed + 16 * rows
     assert result["tiers"] == ["device", "disk"]
-    for key in ("sibling_restore_p50_ms", "full_restore_p50_ms", "copy_floor_p50_ms", "disk_spill_p50_ms",
+    for key in ("sibling_first_restore_p50_ms", "sibling_second_restore_p50_ms", "sibling_restore_p50_ms",
+                "full_restore_p50_ms", "copy_floor_p50_ms", "disk_spill_p50_ms",
                 "disk_fetch_p50_ms", "disk_spill_floor_ms", "export_gb_s", "import_gb_s",
                 "sibling_restore_host_p50_ms", "sibling_restore_device_p50_ms", "sibling_bytes_floor_p50_ms",
                 "sibling_back_to_back_ms", "copy_floor_back_to_back_ms"):
         assert result[key] > 0, key
     assert result["sibling_over_bytes_floor"] == result["sibling_restore_p50_ms"] / result["sibling_bytes_floor_p50_ms"]
+    assert result["sibling_first_over_floor"] == result["sibling_first_restore_p50_ms"] / result["copy_floor_p50_ms"]
     assert result["sibling_back_to_back_over_floor"] == \
         result["sibling_back_to_back_ms"] / result["copy_floor_back_to_back_ms"]
     assert result["provenance"]["device_type"] == "cpu"

@@ -100,7 +100,8 @@ class Block:
     id: int = dataclasses.field(default_factory=lambda: next(_block_ids))
     refs: int = 0            # segments of stored capsules that hold it
     # (destination, source) views a restore wrote its rows with, by range: made once (a view costs microseconds of
-    # host time, a sibling restore is host-bound) and freed with the block
+    # host time, a sibling restore is host-bound) and freed with the block; a fixed block also keeps its capsule's
+    # restores' writes (live.RestoreCopies), by the rows they start at
     writes: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property

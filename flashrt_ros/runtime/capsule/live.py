@@ -13,6 +13,9 @@ So a restore's ranges below :data:`BATCHED_COPY_BYTES` (the metadata, a branch's
 ``torch._foreach_copy_`` (one launch, over 8-byte words), the larger ones alone, over views cached on the blocks. The
 views of a capsule's fixed state and of its whole segments are made when it is stored, so that its first restore
 costs what later ones do (a planner restores each branch it made; the first restore of each made them before).
+Those two calls are still most of a sibling restore's host time, so a restore that writes whole segments keeps its
+writes as a :class:`RestoreCopies` on the capsule's fixed block, which on CUDA replays them from a graph (one
+launch) from their second restore on: a planner restores its root before every branch, and branches again.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ def write(dst: torch.Tensor, src: torch.Tensor) -> Write:
     return _words(dst), _words(src), dst.numel() >= BATCHED_COPY_BYTES
 
 
-def copy_ranges(writes: list[Write]) -> None:
+def copy_ranges(writes: tuple[Write, ...]) -> None:
     """Every write: those of BATCHED_COPY_BYTES or more alone, the rest in one batched copy."""
     dsts, srcs = [], []
     for dst, src, alone in writes:
@@ -54,6 +57,46 @@ def copy_ranges(writes: list[Write]) -> None:
             srcs.append(src)
     if dsts:
         torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
+
+class RestoreCopies:
+    """The writes of one restore (a capsule's whole segments from given rows on), issued as they are the first
+    time and, on CUDA, captured into a graph at the second and replayed from it after: its launch is one call where
+    the writes are two. The graph holds no tensor: it is kept on the capsule's fixed block, whose capsule (and its
+    forks, which share its rows whole) holds every block the graph reads for as long as the block lives."""
+
+    __slots__ = ("writes", "issued", "graph")
+
+    def __init__(self, writes: tuple[Write, ...]):
+        self.writes, self.issued, self.graph = writes, 0, None
+
+    def issue(self, graphs: "RestoreGraphs | None") -> None:
+        """Write them; ``graphs``: where to capture them on CUDA (None: on the CPU, always as they are)."""
+        if not self.writes:
+            return
+        if self.graph is None and self.issued and graphs is not None:
+            self.graph = graphs.capture(self.writes)
+        if self.graph is None:
+            copy_ranges(self.writes)
+        else:
+            self.graph.replay()
+        self.issued += 1
+
+
+class RestoreGraphs:
+    """Captures restores' writes on a side stream of their own, into one memory pool (copies allocate nothing);
+    ``thread_local``: a capture does not stop another thread's work (a tier's background write)."""
+
+    def __init__(self, device: torch.device):
+        self.stream, self.pool = torch.cuda.Stream(device), torch.cuda.graph_pool_handle()
+
+    def capture(self, writes: tuple[Write, ...]) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            copy_ranges(writes)
+            graph.capture_end()
+        return graph
 
 
 class LiveRows:
@@ -107,6 +150,7 @@ class LiveCopier:
     def __init__(self, arena: Arena, layout: Layout, store: CapsuleStore):
         self.arena, self.layout, self.store = arena, layout, store
         self.rows = LiveRows(layout.row_bytes)     # which stored blocks the live KV rows and fixed state equal
+        self.graphs = RestoreGraphs(arena.storage.device) if arena.storage.is_cuda else None
         # the fixed state's byte ranges as (live view, capsule offset, length), all of it and the metadata alone:
         # computed once, every restore writes one of them
         self._fixed_ranges = {names: tuple((arena.storage[offset:offset + length], capsule_offset, length)
@@ -156,22 +200,28 @@ class LiveCopier:
         and only the KV rows the arena does not already hold; returns the bytes written. ``kv_only``: only KV and
         the metadata."""
         fixed = rows[FIXED][0][0]
-        writes: list[Write] = []
-        copied = 0
-        if kv_only or fixed.id != self.rows.fixed_id:
-            names = ("meta",) if kv_only else None
-            writes.extend(self._fixed_writes(fixed, names))
-            copied += sum(length for _, _, length in self._fixed_ranges[names])
-        for name in ("kv",) if kv_only else self.layout.row_bytes:
-            segments = rows[name]
-            start = self.rows.common(name, segments)
-            for block, first, hi in segments:
-                lo = max(first, start)
-                if lo < hi:
-                    writes.append(self._segment_write(name, block, lo, hi, keep=lo == first))
-            self.rows.set(name, segments, position)
+        names = ("kv",) if kv_only else tuple(self.layout.row_bytes)
+        starts = [self.rows.common(name, rows[name]) for name in names]
+        written = kv_only or fixed.id != self.rows.fixed_id
+        fixed_names = ("meta",) if kv_only else None
+        key = ("restore", written, kv_only, *starts)
+        copies = fixed.writes.get(key)
+        if copies is None:
+            writes, whole = list(self._fixed_writes(fixed, fixed_names)) if written else [], True
+            for name, start in zip(names, starts):
+                for block, first, hi in rows[name]:
+                    lo = max(first, start)
+                    if lo < hi:
+                        writes.append(self._segment_write(name, block, lo, hi, keep=lo == first))
+                        whole &= lo == first
+            copies = RestoreCopies(tuple(writes))
+            if whole:
+                fixed.writes[key] = copies
+        copies.issue(self.graphs)
+        copied = sum(length for _, _, length in self._fixed_ranges[fixed_names]) if written else 0
+        for name, start in zip(names, starts):
+            self.rows.set(name, rows[name], position)
             copied += max(0, position - start) * self.layout.row_bytes[name]
-        copy_ranges(writes)
         self.rows.truncate(position)
         self.rows.fixed_id = None if kv_only else fixed.id
         return copied
