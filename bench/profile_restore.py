@@ -40,16 +40,18 @@ def siblings(count: int) -> float:
 
 def single_shots(rounds: int) -> None:
     """Restore each branch in turn, ``rounds`` times, each synchronised alone; per round the p50 wall time and the
-    host's time before the copies' calls, in them and after them (``live.copy_ranges`` stamped)."""
+    host's time before the copies' calls, in them and after them (``live.RestoreCopies.issue`` stamped; in a tree
+    before it, for a side-by-side run, ``live.copy_ranges``)."""
     stamps = []
-    issue = live.copy_ranges
+    owner, name = (live.RestoreCopies, "issue") if hasattr(live, "RestoreCopies") else (live, "copy_ranges")
+    issue = getattr(owner, name)
 
-    def stamped(writes):
+    def stamped(*args):
         stamps.append(time.perf_counter())
-        issue(writes)
+        issue(*args)
         stamps.append(time.perf_counter())
 
-    live.copy_ranges = stamped
+    setattr(owner, name, stamped)
     try:
         for r in range(rounds):
             walls, parts = [], []
@@ -66,7 +68,7 @@ def single_shots(rounds: int) -> None:
             print(f"round {r} ({'first restores' if r == 0 else 'again'}): wall p50 {statistics.median(walls):.4f} ms, "
                   f"host before the copies {split[0]:.4f}, the copies' calls {split[1]:.4f}, after {split[2]:.4f} ms")
     finally:
-        live.copy_ranges = issue
+        setattr(owner, name, issue)
 
 
 engine.restore("root")

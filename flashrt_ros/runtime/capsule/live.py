@@ -13,9 +13,10 @@ So a restore's ranges below :data:`BATCHED_COPY_BYTES` (the metadata, a branch's
 ``torch._foreach_copy_`` (one launch, over 8-byte words), the larger ones alone, over views cached on the blocks. The
 views of a capsule's fixed state and of its whole segments are made when it is stored, so that its first restore
 costs what later ones do (a planner restores each branch it made; the first restore of each made them before).
-Those two calls are still most of a sibling restore's host time, so a restore that writes whole segments keeps its
-writes as a :class:`RestoreCopies` on the capsule's fixed block, which on CUDA replays them from a graph (one
-launch) from their second restore on: a planner restores its root before every branch, and branches again.
+A sibling's fixed state went alone at first (the batched copy's kernel, over 8-byte words, gave a block 512 KiB:
+too few blocks for 20 MB); over 4-byte words it goes in the one batched copy too, which costs less host time than
+the memcpy call did (:data:`BATCHED_COPY_BYTES`). A restore that writes whole segments keeps its writes, grouped for
+issue (:class:`RestoreCopies`), on the capsule's fixed block: a planner restores its root before every branch.
 """
 from __future__ import annotations
 
@@ -26,77 +27,47 @@ from .capsule import FIXED, Block, Layout, Segment
 from .store import CapsuleStore
 
 Plan = dict[str, tuple[tuple[Segment, ...], int]]    # per KV buffer: the shared segments, the row copying starts at
-# A range this large goes alone to cudaMemcpyAsync, which streams it at the copy bandwidth; smaller ranges share one
-# batched copy, whose kernel (torch's multi-tensor apply) keeps only 16 KiB in flight per block of 512 KiB: for a
-# sibling restore's 20 MB fixed state that would be slower than the 8.5 us of host time a memcpy costs
-BATCHED_COPY_BYTES = 1 << 20
+# A range this large goes alone to cudaMemcpyAsync, whose copy engine streams a large range faster than the SMs do;
+# smaller ranges share one batched copy (torch's multi-tensor apply: one launch, about a third of a memcpy call's host
+# time) over 4-byte words, which gives a block 256 KiB, so a sibling's 20 MB fixed state spreads over 80 blocks.
+# bench/restore_copies.py on an H100 (the 0.8B at 16k): a sibling restore's copies in one batched copy take 7.5 us of
+# host time and 22 us of device time, against 25 and 35 us as a memcpy of the fixed state and a batched copy of the rest
+BATCHED_COPY_BYTES = 32 << 20
 
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """A uint8 range as 8-byte words where it is aligned (the batched copy then moves 32 bytes a thread), else as
-    it is."""
-    return t.view(torch.int64) if t.numel() % 8 == 0 and t.data_ptr() % 8 == 0 else t
-
-
-Write = tuple[torch.Tensor, torch.Tensor, bool]      # destination, source, whether it is copied alone
+Write = tuple[torch.Tensor, torch.Tensor]      # destination, source: a byte range as words
 
 
 def write(dst: torch.Tensor, src: torch.Tensor) -> Write:
-    """A copy of the byte range ``src`` into ``dst`` for :func:`copy_ranges`, its views and its path decided once."""
-    return _words(dst), _words(src), dst.numel() >= BATCHED_COPY_BYTES
-
-
-def copy_ranges(writes: tuple[Write, ...]) -> None:
-    """Every write: those of BATCHED_COPY_BYTES or more alone, the rest in one batched copy."""
-    dsts, srcs = [], []
-    for dst, src, alone in writes:
-        if alone:
-            dst.copy_(src, non_blocking=True)
-        else:
-            dsts.append(dst)
-            srcs.append(src)
-    if dsts:
-        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+    """A copy of the byte range ``src`` into ``dst``, as 4-byte words where both are aligned (else as bytes)."""
+    if dst.numel() % 4 == 0 and dst.data_ptr() % 4 == 0 and src.data_ptr() % 4 == 0:
+        return dst.view(torch.int32), src.view(torch.int32)
+    return dst, src
 
 
 class RestoreCopies:
-    """The writes of one restore (a capsule's whole segments from given rows on), issued as they are the first
-    time and, on CUDA, captured into a graph at the second and replayed from it after: its launch is one call where
-    the writes are two. The graph holds no tensor: it is kept on the capsule's fixed block, whose capsule (and its
-    forks, which share its rows whole) holds every block the graph reads for as long as the block lives."""
+    """The writes of one restore, grouped once for issue: ranges of BATCHED_COPY_BYTES or more each alone, the rest
+    in one batched copy per word type. A capsule's fixed block keeps those of its restores of whole segments, by the
+    rows they start at (its rows, and its forks', are the same blocks for as long as it lives)."""
 
-    __slots__ = ("writes", "issued", "graph")
+    __slots__ = ("alone", "batches")
 
-    def __init__(self, writes: tuple[Write, ...]):
-        self.writes, self.issued, self.graph = writes, 0, None
+    def __init__(self, writes: list[Write]):
+        self.alone: list[Write] = []
+        batches: dict[torch.dtype, tuple[list, list]] = {}
+        for dst, src in writes:
+            if dst.nbytes >= BATCHED_COPY_BYTES:
+                self.alone.append((dst, src))
+            else:
+                dsts, srcs = batches.setdefault(dst.dtype, ([], []))
+                dsts.append(dst)
+                srcs.append(src)
+        self.batches = tuple(batches.values())
 
-    def issue(self, graphs: "RestoreGraphs | None") -> None:
-        """Write them; ``graphs``: where to capture them on CUDA (None: on the CPU, always as they are)."""
-        if not self.writes:
-            return
-        if self.graph is None and self.issued and graphs is not None:
-            self.graph = graphs.capture(self.writes)
-        if self.graph is None:
-            copy_ranges(self.writes)
-        else:
-            self.graph.replay()
-        self.issued += 1
-
-
-class RestoreGraphs:
-    """Captures restores' writes on a side stream of their own, into one memory pool (copies allocate nothing);
-    ``thread_local``: a capture does not stop another thread's work (a tier's background write)."""
-
-    def __init__(self, device: torch.device):
-        self.stream, self.pool = torch.cuda.Stream(device), torch.cuda.graph_pool_handle()
-
-    def capture(self, writes: tuple[Write, ...]) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(self.stream):
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            copy_ranges(writes)
-            graph.capture_end()
-        return graph
+    def issue(self) -> None:
+        for dst, src in self.alone:
+            dst.copy_(src, non_blocking=True)
+        for dsts, srcs in self.batches:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
 
 class LiveRows:
@@ -150,7 +121,6 @@ class LiveCopier:
     def __init__(self, arena: Arena, layout: Layout, store: CapsuleStore):
         self.arena, self.layout, self.store = arena, layout, store
         self.rows = LiveRows(layout.row_bytes)     # which stored blocks the live KV rows and fixed state equal
-        self.graphs = RestoreGraphs(arena.storage.device) if arena.storage.is_cuda else None
         # the fixed state's byte ranges as (live view, capsule offset, length), all of it and the metadata alone:
         # computed once, every restore writes one of them
         self._fixed_ranges = {names: tuple((arena.storage[offset:offset + length], capsule_offset, length)
@@ -214,10 +184,10 @@ class LiveCopier:
                     if lo < hi:
                         writes.append(self._segment_write(name, block, lo, hi, keep=lo == first))
                         whole &= lo == first
-            copies = RestoreCopies(tuple(writes))
+            copies = RestoreCopies(writes)
             if whole:
                 fixed.writes[key] = copies
-        copies.issue(self.graphs)
+        copies.issue()
         copied = sum(length for _, _, length in self._fixed_ranges[fixed_names]) if written else 0
         for name, start in zip(names, starts):
             self.rows.set(name, rows[name], position)
