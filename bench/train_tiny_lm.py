@@ -26,7 +26,9 @@ checkpoint), ``heldout.txt`` (for ``flashrt-runtime bench-quant --fidelity-text`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import inspect
 import json
 import math
 import sys
@@ -123,6 +125,23 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
+@contextlib.contextmanager
+def torch_delta_rule():
+    """transformers binds Qwen3.5's Gated DeltaNet functions to fla's Triton kernels when fla imports, whatever the
+    tensors' device (the GPU machine has fla beside the runtime); this model trains on the CPU, so while it does,
+    they are the torch functions those wrap."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    bound = {name: getattr(hf, name) for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")}
+    for name, function in bound.items():
+        setattr(hf, name, inspect.unwrap(function))
+    try:
+        yield
+    finally:
+        for name, function in bound.items():
+            setattr(hf, name, function)
+
+
 def train(model, ids: torch.Tensor, steps: int, batch: int, seq_len: int, peak_lr: float, seed: int,
           head: MTPHead | None = None, log_every: int = 25) -> list[dict]:
     """Next-token training on random windows of ``ids`` (and the MTP ``head``'s, on the same windows); returns the
@@ -200,7 +219,9 @@ def build(out: Path, *, steps: int, hidden: int, layers: int, heads: int, head_d
     held_ids = torch.tensor(tokenizer.encode(text[cut:]).ids)
     model = Qwen3_5ForCausalLM(model_config(tokenizer.get_vocab_size(), hidden, layers, heads, head_dim)).float()
     head = MTPHead(model.config).float() if mtp else None
-    curve = train(model, ids, steps, batch, seq_len, lr, seed, head)
+    with torch_delta_rule():
+        curve = train(model, ids, steps, batch, seq_len, lr, seed, head)
+        heldout_nll = mean_nll(model, held_ids[:8 * seq_len + 1], seq_len)
     out.mkdir(parents=True, exist_ok=True)
     model.eval().save_pretrained(out)
     if head is not None:
@@ -211,7 +232,7 @@ def build(out: Path, *, steps: int, hidden: int, layers: int, heads: int, head_d
               "vocab": tokenizer.get_vocab_size(), "batch": batch, "seq_len": seq_len, "lr": lr, "seed": seed, "mtp": mtp,
               "train_tokens": ids.numel(), "heldout_tokens": held_ids.numel(),
               "parameters": sum(p.numel() for p in model.parameters()), "curve": curve,
-              "heldout_nll": mean_nll(model, held_ids[:8 * seq_len + 1], seq_len),
+              "heldout_nll": heldout_nll,
               "torch": torch.__version__, "python": sys.version.split()[0]}
     (out / "training.json").write_text(json.dumps(record, indent=1))
     return record
