@@ -169,6 +169,16 @@ class CapsuleStoreMachine(RuleBasedStateMachine):
     def restore(self, data, kv_only):
         self.restore_id(self.some_id(data), kv_only)
 
+    @precondition(lambda self: self.capsules)
+    @rule(data=st.data())
+    def restore_one_then_another_and_back(self, data):
+        """A planner's back and forth: each restore writes from the row where the live rows and the capsule part,
+        which differs from one restore of a capsule to the next (it keeps its restores' writes by that row)."""
+        first, second = self.some_id(data), self.some_id(data)
+        for capsule_id in (first, second, first):
+            self.restore_id(capsule_id)
+            self.arena_matches_the_model()
+
     @precondition(lambda self: self.live_fixed in self.fixed_tokens.values())
     @rule()
     def restore_the_live_capsule(self):
