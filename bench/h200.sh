@@ -179,8 +179,10 @@ for phase in "$@"; do
             > "$OUT/bench_capsules_$preset.log" 2>&1
         echo "bench-capsules $preset rc=$?"; grep -v -i warn "$OUT/bench_capsules_$preset.log" | tail -8
         timeout 300 python3 bench/profile_restore.py $preset 16384 8 64 200 > "$OUT/profile_restore_$preset.txt" 2>&1
-        echo "profile-restore $preset rc=$?"; grep -E "sibling restore|aten::|cuda[A-Z]" "$OUT/profile_restore_$preset.txt" | head -12
+        echo "profile-restore $preset rc=$?"; grep -E "round|sibling restore|aten::|cuda[A-Z]" "$OUT/profile_restore_$preset.txt" | head -15
       done
+      timeout 60 python3 bench/restore_copies.py > "$OUT/restore_copies.txt" 2>&1; echo "restore-copies rc=$?"
+      grep "^|" "$OUT/restore_copies.txt"
       python3 -m flashrt_ros.tools.bench_files --mib 243 --device cuda --dir /tmp/capsule_files --repeats 5 \
           --json "$OUT/bench_files_cuda.json" > "$OUT/bench_files_cuda.log" 2>&1
       echo "bench_files rc=$?"; tail -8 "$OUT/bench_files_cuda.log"
