@@ -9,14 +9,12 @@ does those copies.
 
 A restore is host-bound: each ``copy_`` is a dispatch and a ``cudaMemcpyAsync`` (8.5 us of host time each on an H100
 host), each slice a view (2.8 us); a sibling restore was four copies and six slices (``bench/profile_restore.py``).
-So a restore's ranges below :data:`BATCHED_COPY_BYTES` (the metadata, a branch's KV rows) go out in one
-``torch._foreach_copy_`` (one launch, over 8-byte words), the larger ones alone, over views cached on the blocks. The
-views of a capsule's fixed state and of its whole segments are made when it is stored, so that its first restore
-costs what later ones do (a planner restores each branch it made; the first restore of each made them before).
-A sibling's fixed state went alone at first (the batched copy's kernel, over 8-byte words, gave a block 512 KiB:
-too few blocks for 20 MB); over 4-byte words it goes in the one batched copy too, which costs less host time than
-the memcpy call did (:data:`BATCHED_COPY_BYTES`). A restore that writes whole segments keeps its writes, grouped for
-issue (:class:`RestoreCopies`), on the capsule's fixed block: a planner restores its root before every branch.
+So a restore's ranges below :data:`BATCHED_COPY_BYTES` (the metadata, a sibling's fixed state and KV rows) go out
+in one ``torch._foreach_copy_`` over 4-byte words (one launch), only larger ones alone (a full restore's KV rows),
+over views cached on the blocks. The views of a capsule's fixed state and of its whole segments are made when it is
+stored, so that its first restore costs what later ones do (a planner restores each branch it made; the first
+restore of each made them before), and a restore that writes whole segments keeps its writes, grouped for issue
+(:class:`RestoreCopies`), on the capsule's fixed block: a planner restores its root before every branch.
 """
 from __future__ import annotations
 
