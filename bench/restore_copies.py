@@ -3,11 +3,12 @@
 fixed-state range of FIXED_BYTES, the metadata's 64 bytes, and ROW_RANGES: the comma-separated byte lengths of the
 divergent KV rows' ranges) between two device buffers and issues it several ways:
 
-* ``memcpy+foreach`` (``live.copy_ranges`` today): ranges of 1 MiB or more alone through ``cudaMemcpyAsync``, the
-  rest in one ``torch._foreach_copy_`` over 8-byte words;
-* ``foreach int16`` / ``foreach int32``: every range in one ``_foreach_copy_`` over 2- or 4-byte words (torch's
-  multi-tensor apply gives a block 64 Ki words, so narrower words spread a large range over more blocks);
-* ``graph``: the first way captured once in a CUDA graph and replayed.
+* ``memcpy+foreach`` (the restore before ``4fa6b82``): ranges of 1 MiB or more alone through ``cudaMemcpyAsync``,
+  the rest in one ``torch._foreach_copy_`` over 8-byte words;
+* ``foreach int32`` (``live.RestoreCopies``, the restore since): every range in one ``_foreach_copy_`` over 4-byte
+  words (torch's multi-tensor apply gives a block 64 Ki words, so narrower words spread a large range over more
+  blocks), and ``foreach int16`` over 2-byte words;
+* ``graph``: the first way captured once in a CUDA graph and replayed (tried in ``c529386`` and removed).
 
 For each it prints the host's time per restore issued back to back (what a planner's loop of restores costs when
 the host is the bound), the device's time per restore (a queue of them issued behind a sleeping kernel, timed with
@@ -19,7 +20,7 @@ import time
 
 import torch
 
-from flashrt_ros.runtime.capsule.live import copy_ranges, write
+from flashrt_ros.runtime.capsule.live import RestoreCopies, write
 
 assert torch.cuda.is_available(), "a CUDA device is needed"
 fixed_bytes = int(sys.argv[1]) if len(sys.argv) > 1 else 19_539_968
@@ -44,13 +45,24 @@ def foreach(pairs):
     return lambda: torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
 
 
-writes = [write(d, s) for d, s in ranges]
-ways = {"memcpy+foreach": lambda: copy_ranges(writes), "foreach int16": foreach(words(torch.int16)),
-        "foreach int32": foreach(words(torch.int32))}
+def memcpy_and_foreach(alone_bytes: int = 1 << 20):
+    """The restore's copies before 4fa6b82: large ranges alone, the rest over 8-byte words in one batched copy."""
+    alone = [(d, s) for d, s in ranges if d.numel() >= alone_bytes]
+    batched = foreach([(d.view(torch.int64), s.view(torch.int64)) for d, s in ranges if d.numel() < alone_bytes])
+
+    def issue():
+        for d, s in alone:
+            d.copy_(s, non_blocking=True)
+        batched()
+    return issue
+
+
+ways = {"memcpy+foreach": memcpy_and_foreach(), "foreach int16": foreach(words(torch.int16)),
+        "foreach int32": RestoreCopies([write(d, s) for d, s in ranges]).issue}
 side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
 with torch.cuda.stream(side):
     graph.capture_begin(capture_error_mode="thread_local")
-    copy_ranges(writes)
+    ways["memcpy+foreach"]()
     graph.capture_end()
 ways["graph"] = graph.replay
 plain_dst, plain_src = dst[:total], src[:total]
