@@ -8,7 +8,8 @@ divergent KV rows' ranges) between two device buffers and issues it several ways
 * ``foreach int32`` (``live.RestoreCopies``, the restore since): every range in one ``_foreach_copy_`` over 4-byte
   words (torch's multi-tensor apply gives a block 64 Ki words, so narrower words spread a large range over more
   blocks), and ``foreach int16`` over 2-byte words;
-* ``graph``: the first way captured once in a CUDA graph and replayed (tried in ``c529386`` and removed).
+* ``graph``: the first way captured once in a CUDA graph and replayed (tried in ``c529386`` and removed), and
+  ``graph of foreach int32``: the current way captured so (one kernel node: the replay's host time for the call's).
 
 For each it prints the host's time per restore issued back to back (what a planner's loop of restores costs when
 the host is the bound), the device's time per restore (a queue of them issued behind a sleeping kernel, timed with
@@ -57,14 +58,20 @@ def memcpy_and_foreach(alone_bytes: int = 1 << 20):
     return issue
 
 
+def captured(issue):
+    """``issue`` captured once into a CUDA graph on a side stream; its replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        graph.capture_begin(capture_error_mode="thread_local")
+        issue()
+        graph.capture_end()
+    return graph.replay
+
+
 ways = {"memcpy+foreach": memcpy_and_foreach(), "foreach int16": foreach(words(torch.int16)),
         "foreach int32": RestoreCopies([write(d, s) for d, s in ranges]).issue}
-side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
-with torch.cuda.stream(side):
-    graph.capture_begin(capture_error_mode="thread_local")
-    ways["memcpy+foreach"]()
-    graph.capture_end()
-ways["graph"] = graph.replay
+ways["graph"] = captured(ways["memcpy+foreach"])
+ways["graph of foreach int32"] = captured(ways["foreach int32"])
 plain_dst, plain_src = dst[:total], src[:total]
 ways["one plain copy of as many bytes"] = lambda: plain_dst.copy_(plain_src)
 

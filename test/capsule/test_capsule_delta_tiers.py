@@ -103,25 +103,31 @@ def test_a_sibling_restore_is_one_batched_copy_and_repeats_byte_exact(monkeypatc
     assert sum(views) == engine.layout.fixed_bytes + 4 * row_bytes(engine)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 @pytest.mark.parametrize("limit", [1 << 40, 64], ids=["all-batched", "large-alone"])
-def test_restore_copies_write_every_pair_whatever_its_size_alignment_or_dtype(limit, monkeypatch):
+def test_restore_copies_write_every_pair_whatever_its_size_alignment_or_dtype(limit, device, monkeypatch):
     """Ranges at or above BATCHED_COPY_BYTES go alone, the others in one batched copy per word type; odd lengths and
     offsets stay bytes, aligned ones become 4-byte words: every destination ends equal to its source, nothing else
-    moves."""
+    moves, each of three issues. On CUDA, copies all batched are replayed from a graph from the second issue on."""
     monkeypatch.setattr(live, "BATCHED_COPY_BYTES", limit)
     g = torch.Generator().manual_seed(3)
-    src = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
-    dst = torch.zeros(4096, dtype=torch.uint8)
+    src = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g).to(device)
+    dst = torch.zeros(4096, dtype=torch.uint8, device=device)
     ranges = [(0, 64), (72, 3), (80, 2000), (2101, 17), (2200, 1600)]     # word-aligned or not, small and large
     copies = live.RestoreCopies([live.write(dst[o:o + n], src[o:o + n]) for o, n in ranges])
     assert sorted(d.nbytes for d, _ in copies.alone) == sorted(n for _, n in ranges if n >= limit)
     batched = [{d.dtype for d in dsts} for dsts, _ in copies.batches]
     assert all(len(dtypes) == 1 for dtypes in batched) and len(batched) == len(set().union(*batched))
-    copies.issue()
-    written = torch.zeros(4096, dtype=torch.bool)
+    written = torch.zeros(4096, dtype=torch.bool, device=device)
     for offset, length in ranges:
         written[offset:offset + length] = True
-    assert torch.equal(dst[written], src[written]) and not bool(dst[~written].any())
+    graphs = live.RestoreGraphs(torch.device(device)) if device == "cuda" else None
+    for issue in range(3):
+        dst.zero_()
+        copies.issue(graphs)
+        assert torch.equal(dst[written], src[written]) and not bool(dst[~written].any()), issue
+        assert (copies.graph is not None) == (device == "cuda" and issue > 0 and not copies.alone), issue
     assert live.write(dst[8:24], src[8:24])[0].dtype == torch.int32
     assert live.write(dst[9:25], src[9:25])[0].dtype == torch.uint8
 
@@ -587,6 +593,10 @@ def test_a_capsules_restores_keep_their_writes_and_stay_byte_exact_and_token_ide
                          if isinstance(copies, live.RestoreCopies)]
             for capsule_id in ("root", "b0", "b1", "b2")}
     assert all(kept.values()), kept
+    # on CUDA the restores issued again (every capsule's was) replay a graph, which wrote the bytes checked above
+    graphed = [copies.graph is not None for kept_copies in kept.values() for copies in kept_copies
+               if copies.issued > 1 and not copies.alone]
+    assert graphed and all(graphed) == (device == "cuda") and any(graphed) == (device == "cuda"), graphed
 
 
 def test_bench_capsules_cli_reports_sharing_and_every_tier(tmp_path, capsys):

@@ -42,10 +42,10 @@ class CapsuleStore:
         return capsule_id in self._capsules
 
     def get(self, capsule_id: str) -> StoredCapsule:
-        validate_capsule_id(capsule_id)
         try:
-            return self._capsules[capsule_id]
-        except KeyError:
+            return self._capsules[capsule_id]      # a stored id was validated on its way in
+        except (KeyError, TypeError):
+            validate_capsule_id(capsule_id)        # INVALID_CAPSULE_ID before UNKNOWN_CAPSULE
             raise FlashRTError(ErrorCode.UNKNOWN_CAPSULE, f"no capsule {capsule_id!r}") from None
 
     def new_id(self, requested: str | None, label: str = "") -> str:
