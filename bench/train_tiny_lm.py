@@ -101,7 +101,8 @@ class MTPHead(torch.nn.Module):
         """embeds: [B, T, H] of tokens t; previous: [B, T, H] final hidden states at t-1; positions: [B, T] = t.
         Returns the head's final hidden states [B, T, H] (logits through the LM head predict token t+1)."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(previous)], dim=-1))
-        rope = self.rotary(x, positions)
+        # the ids of its 3 rope sections: transformers 5.24 broadcasts [B, T] itself, 5.17 (the GPU machine's) does not
+        rope = self.rotary(x, positions.expand(3, -1, -1))
         for layer in self.layers:
             x = layer(x, position_embeddings=rope, position_ids=positions)
         return self.norm(x)

@@ -3,7 +3,8 @@ in-process.
 
 The environment is fixed at import, before any test module imports rclpy or torch (node subprocesses
 that tests start inherit it): discovery limited to localhost, a random ROS_DOMAIN_ID (unless one is
-set) so parallel runs do not see each other, and OMP_NUM_THREADS=1. The tiny model gains nothing from
+set) so parallel runs do not see each other, one domain each for pytest-xdist's workers (``make test`` runs
+``-n auto``: gw0 keeps the run's domain, gw1 the next, ...), and OMP_NUM_THREADS=1. The tiny model gains nothing from
 intra-op threads, while every engine (the test process's and each node subprocess's) spinning a
 thread per core on a 2-core CI machine makes decode steps orders of magnitude slower.
 """
@@ -15,6 +16,9 @@ import sys
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 os.environ["ROS_LOCALHOST_ONLY"] = "1"
 os.environ.setdefault("ROS_DOMAIN_ID", str(random.randint(1, 100)))
+worker = os.environ.get("PYTEST_XDIST_WORKER", "")     # xdist's gw0, gw1, ...: set before this file is imported
+if worker.startswith("gw"):
+    os.environ["ROS_DOMAIN_ID"] = str((int(os.environ["ROS_DOMAIN_ID"]) + int(worker[2:]) - 1) % 100 + 1)
 os.environ["OMP_NUM_THREADS"] = "1"
 # Triton kernels are checked on the CPU through Triton's interpreter; it must be chosen before triton is imported.
 if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
