@@ -65,7 +65,8 @@ def single_shots(rounds: int) -> None:
                 walls.append(1000 * (time.perf_counter() - start))
                 parts.append([1000 * (b - a) for a, b in zip([start] + stamps, stamps + [end])])
             split = [statistics.median(p[i] for p in parts) for i in range(3)]
-            print(f"round {r} ({'first restores' if r == 0 else 'again'}): wall p50 {statistics.median(walls):.4f} ms, "
+            label = ("first restores", "again: on CUDA each records its graph", "again")[min(r, 2)]
+            print(f"round {r} ({label}): wall p50 {statistics.median(walls):.4f} ms, "
                   f"host before the copies {split[0]:.4f}, the copies' calls {split[1]:.4f}, after {split[2]:.4f} ms")
     finally:
         setattr(owner, name, issue)
