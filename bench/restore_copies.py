@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from flashrt_ros.runtime.capsule.live import RestoreCopies, write
+from flashrt_ros.runtime.capsule.live import RestoreCopies, RestoreGraphs, write
 
 assert torch.cuda.is_available(), "a CUDA device is needed"
 fixed_bytes = int(sys.argv[1]) if len(sys.argv) > 1 else 19_539_968
@@ -58,20 +58,11 @@ def memcpy_and_foreach(alone_bytes: int = 1 << 20):
     return issue
 
 
-def captured(issue):
-    """``issue`` captured once into a CUDA graph on a side stream; its replay."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(torch.cuda.Stream()):
-        graph.capture_begin(capture_error_mode="thread_local")
-        issue()
-        graph.capture_end()
-    return graph.replay
-
-
 ways = {"memcpy+foreach": memcpy_and_foreach(), "foreach int16": foreach(words(torch.int16)),
         "foreach int32": RestoreCopies([write(d, s) for d, s in ranges]).issue}
-ways["graph"] = captured(ways["memcpy+foreach"])
-ways["graph of foreach int32"] = captured(ways["foreach int32"])
+graphs = RestoreGraphs(torch.device("cuda"))       # the restore's own capture
+ways["graph"] = graphs.capture(ways["memcpy+foreach"]).replay
+ways["graph of foreach int32"] = graphs.capture(ways["foreach int32"]).replay
 plain_dst, plain_src = dst[:total], src[:total]
 ways["one plain copy of as many bytes"] = lambda: plain_dst.copy_(plain_src)
 

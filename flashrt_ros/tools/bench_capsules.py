@@ -8,9 +8,10 @@ A planner's tree: a root at ``context`` tokens, then ``branches`` siblings, each
 * restore: a sibling after a sibling (lineage-aware: the fixed state and the divergence), a full restore (after a
   reset nothing is live), and the copy floor (one device copy of the full capsule's bytes), p50 over repeats. A
   sibling's restore is timed three ways, since a capsule keeps the writes of its restores: each branch's first
-  restore since it was stored, its second (with the writes its first kept), and the restores after those
-  (``sibling_restore_p50_ms``: a planner going back to its branches; each wall time synchronised before and after,
-  as the floor's; the host / device split from separate samples, as its events cost time); and
+  restore since it was stored, its second (with the writes its first kept; on CUDA it captures them into a graph),
+  and the restores after those (``sibling_restore_p50_ms``: a planner going back to its branches; each wall time
+  synchronised before and after, as the floor's; the host / device split from separate samples, as its events cost
+  time); and
   sibling restores back to back, as a planner's search issues them (each round restores every branch in turn,
   synchronised once), beside full copies issued the same way: the time a restore costs a stream of them, where
   the p50 figures are each one synchronised round trip;
